@@ -1,0 +1,35 @@
+"""sgl-kvmap: cross-model KV cache transfer for LLM families.
+
+Fit closed-form mappers between two causal LMs that share a tokenizer, save them as packs,
+and translate one model's KV cache into the other's so a prefix survives a model swap.
+Importing this package needs neither sglang, triton nor a GPU.
+"""
+
+__version__ = "0.1.0"
+
+from .calibrate import CalibrationConfig, FitReport, fit_mapper
+from .capture import KVCache, LoadedModel, capture_kv, load_model
+from .errors import KVMapError, PackError, PairMismatchError
+from .evaluate import EvalReport, evaluate
+from .mapper import KVMapper
+from .spec import ModelSpec, spec_from_pretrained
+from .transfer import translate_prefix
+
+__all__ = [
+    "CalibrationConfig",
+    "EvalReport",
+    "FitReport",
+    "KVCache",
+    "KVMapError",
+    "KVMapper",
+    "LoadedModel",
+    "ModelSpec",
+    "PackError",
+    "PairMismatchError",
+    "capture_kv",
+    "evaluate",
+    "fit_mapper",
+    "load_model",
+    "spec_from_pretrained",
+    "translate_prefix",
+]

@@ -1,0 +1,208 @@
+"""fit_mapper: run both models over calibration text, stream statistics, fit, select k.
+
+One pass over the text captures both models' caches window by window; each window goes to
+the training or the held-out statistics (every ``heldout_every``-th window is held out), and
+may feed both directions at once. Memory stays flat in the number of tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from .capture import KVCache, LoadedModel, capture_kv, load_model
+from .errors import KVMapError
+from .fit import KINDS, Geometry, candidate_ks, fit_maps, heldout_r2, probe_scores, top_k_selection
+from .mapper import KVMapper
+from .rope import tables_for_spec, unrope
+from .spec import ModelSpec, check_pair
+from .stats import Moments
+from .texts import calibration_windows, expand_paths, stdlib_files
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """How calibration text is read and used.
+
+    tokens: total calibration tokens (train + held-out). window: tokens per forward (each
+    window starts at position 0). skip_first: leading tokens of each window left out of the
+    statistics (attention sinks). stride: keep every stride-th token. heldout_every: every
+    n-th window is held out for choosing k. top_k: "auto" or an int. k_tolerance: "auto" takes
+    the smallest k whose held-out R^2 is within this of the best. sink_tokens: leading tokens
+    the target computes itself at transfer time (recorded in the pack).
+    """
+
+    tokens: int = 16384
+    window: int = 512
+    skip_first: int = 1
+    stride: int = 1
+    heldout_every: int = 8
+    ridge: float = 0.01
+    top_k: int | str = "auto"
+    k_tolerance: float = 0.01
+    sink_tokens: int = 4
+    per_file_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.top_k != "auto" and not (isinstance(self.top_k, int) and self.top_k >= 1):
+            raise KVMapError(f"top_k must be 'auto' or a positive int, got {self.top_k!r}")
+        if self.tokens < 2 * self.window:
+            raise KVMapError(f"need at least two windows of calibration ({2 * self.window} tokens), got {self.tokens}")
+        if not 0 <= self.skip_first < self.window or self.stride < 1 or self.heldout_every < 2:
+            raise KVMapError("invalid skip_first / stride / heldout_every")
+
+
+@dataclass
+class FitReport:
+    """What the fit measured. probe_scores: [Lt, Ls]; per_k: k -> held-out R^2 (mean over
+    layers and heads) for K and V; r2_k/r2_v: held-out R^2 per target layer at the chosen k."""
+
+    chosen_k: int
+    per_k: dict[int, dict[str, float]]
+    probe_scores: torch.Tensor
+    r2_k: list[float]
+    r2_v: list[float]
+    train_tokens: int
+    heldout_tokens: int
+    capture_seconds: float
+    solve_seconds: float
+
+    def summary(self) -> dict[str, Any]:
+        best = self.per_k[self.chosen_k]
+        return {
+            "k": self.chosen_k,
+            "heldout_r2_k": best["k"],
+            "heldout_r2_v": best["v"],
+            "heldout_r2_k_k1": self.per_k[1]["k"] if 1 in self.per_k else None,
+            "heldout_r2_v_k1": self.per_k[1]["v"] if 1 in self.per_k else None,
+            "train_tokens": self.train_tokens,
+            "heldout_tokens": self.heldout_tokens,
+            "fit_seconds": round(self.capture_seconds + self.solve_seconds, 1),
+        }
+
+
+@dataclass
+class PairStatistics:
+    """Training and held-out moments of one direction (source -> target), for K and V."""
+
+    source: ModelSpec
+    target: ModelSpec
+    train: dict[str, Moments] = field(default_factory=dict)
+    heldout: dict[str, Moments] = field(default_factory=dict)
+
+    def update(self, x: dict[str, torch.Tensor], y: dict[str, torch.Tensor], held_out: bool) -> None:
+        """Add one window's ``content_features`` of the source (x) and the target (y)."""
+        for kind in KINDS:
+            if kind not in self.train:
+                shift_x, shift_y = x[kind].mean(0), y[kind].mean(0)
+                self.train[kind] = Moments.empty(shift_x, shift_y)
+                self.heldout[kind] = Moments.empty(shift_x, shift_y)
+            (self.heldout if held_out else self.train)[kind].update(x[kind], y[kind])
+
+
+def fit_mapper(
+    source: str | LoadedModel,
+    target: str | LoadedModel,
+    calibration: list[str | Path] | None = None,
+    config: CalibrationConfig = CalibrationConfig(),
+    both_directions: bool = False,
+) -> list[tuple[KVMapper, FitReport]]:
+    """Fit source -> target (and target -> source if ``both_directions``) on calibration text.
+
+    ``source``/``target``: anything transformers loads, or an already loaded model.
+    ``calibration``: files/folders; default: the Python standard library's sources.
+    Returns one (mapper, report) per direction, source -> target first.
+    """
+    src, tgt = _loaded(source), _loaded(target)
+    check_pair(src.spec, tgt.spec)
+    files = expand_paths(calibration) if calibration else stdlib_files()
+    text_name = ", ".join(map(str, calibration)) if calibration else "Python standard library sources"
+    forward, reverse = PairStatistics(src.spec, tgt.spec), PairStatistics(tgt.spec, src.spec)
+    started = time.perf_counter()
+    windows = list(calibration_windows(src.tokenizer, files, config.window, config.tokens, config.per_file_tokens))
+    if len(windows) < 2:
+        raise KVMapError(f"calibration text gave {len(windows)} window(s) of {config.window} tokens; need 2 or more")
+    heldout_windows = _heldout_indices(len(windows), config.heldout_every)
+    for i, ids in enumerate(tqdm(windows, desc="calibration windows", unit="win")):
+        rows = slice(config.skip_first, None, config.stride)
+        src_features = content_features(capture_kv(src.model, ids), src.spec, rows)
+        tgt_features = content_features(capture_kv(tgt.model, ids), tgt.spec, rows)
+        held_out = i in heldout_windows
+        forward.update(src_features, tgt_features, held_out)
+        if both_directions:
+            reverse.update(tgt_features, src_features, held_out)
+    capture_seconds = time.perf_counter() - started
+    recipe = {"text": text_name, "tokens": len(windows) * config.window, **_recipe(config)}
+    directions = [forward, reverse] if both_directions else [forward]
+    return [fit_from_statistics(stats, config, recipe, capture_seconds) for stats in directions]
+
+
+def content_features(cache: KVCache, spec: ModelSpec, rows: slice) -> dict[str, torch.Tensor]:
+    """All layers' RoPE-stripped K and raw V side by side: kind -> [tokens, layers * kv_width]."""
+    cache = cache.slice(rows.start or 0)
+    tables = tables_for_spec(spec, cache.positions)
+    keys = [unrope(k, tables, spec.rope_style) for k in cache.keys]
+    step = rows.step or 1
+    return {
+        "k": torch.cat([k.reshape(len(cache), -1) for k in keys], 1)[::step],
+        "v": torch.cat([v.reshape(len(cache), -1) for v in cache.values], 1)[::step],
+    }
+
+
+def fit_from_statistics(
+    split: PairStatistics, config: CalibrationConfig, recipe: dict | None = None, capture_seconds: float = 0.0
+) -> tuple[KVMapper, FitReport]:
+    """Select source layers, choose k on the held-out moments, and fit the final maps on all."""
+    started = time.perf_counter()
+    source, target = split.source, split.target
+    geo = Geometry(source.num_layers, source.kv_width, target.num_layers, target.kv_width, target.head_dim)
+    scores = probe_scores(split.train, geo, config.ridge)
+    ks = candidate_ks(source.num_layers) if config.top_k == "auto" else sorted({1, int(config.top_k)})
+    per_k, per_layer = {}, {}
+    for k in tqdm(ks, desc=f"choosing k ({source.num_layers}->{target.num_layers} layers)", unit="k"):
+        r2 = heldout_r2(split.train, split.heldout, top_k_selection(scores, k), geo, config.ridge)
+        per_k[k] = {kind: r2[kind].mean().item() for kind in KINDS}
+        per_layer[k] = r2
+    chosen = _choose_k(per_k, config) if config.top_k == "auto" else int(config.top_k)
+    selection = top_k_selection(scores, chosen)
+    everything = {kind: split.train[kind].merged(split.heldout[kind]) for kind in KINDS}
+    maps = fit_maps(everything, selection, geo, config.ridge)
+    report = FitReport(
+        chosen_k=chosen, per_k=per_k, probe_scores=scores.float(),
+        r2_k=per_layer[chosen]["k"].tolist(), r2_v=per_layer[chosen]["v"].tolist(),
+        train_tokens=split.train["k"].n, heldout_tokens=split.heldout["k"].n,
+        capture_seconds=capture_seconds, solve_seconds=time.perf_counter() - started,
+    )  # fmt: skip
+    info = {"calibration": recipe or {}, "metrics": {key: v for key, v in report.summary().items() if v is not None}}
+    mapper = KVMapper(source, target, selection, maps, config.ridge, config.sink_tokens, info)
+    log.info("fitted %s -> %s: k=%d, held-out R2 K %.3f V %.3f", source.model_id, target.model_id, chosen, per_k[chosen]["k"], per_k[chosen]["v"])
+    return mapper, report
+
+
+def _heldout_indices(n_windows: int, every: int) -> set[int]:
+    """Every ``every``-th window, or the last one when there are fewer than ``every``."""
+    return {i for i in range(n_windows) if (i + 1) % every == 0} or {n_windows - 1}
+
+
+def _choose_k(per_k: dict[int, dict[str, float]], config: CalibrationConfig) -> int:
+    """Smallest k whose held-out R^2 (mean of K and V) is within k_tolerance of the best."""
+    score = {k: (r["k"] + r["v"]) / 2 for k, r in per_k.items()}
+    best = max(score.values())
+    return min(k for k, s in score.items() if s >= best - config.k_tolerance)
+
+
+def _recipe(config: CalibrationConfig) -> dict[str, Any]:
+    keys = ("window", "skip_first", "stride", "heldout_every", "ridge", "top_k", "k_tolerance", "per_file_tokens")
+    return {key: getattr(config, key) for key in keys}
+
+
+def _loaded(model: str | LoadedModel) -> LoadedModel:
+    return model if isinstance(model, LoadedModel) else load_model(str(model))

@@ -1,0 +1,173 @@
+"""Run Hugging Face causal LMs and read their KV caches (the only module that runs models).
+
+Layout convention used across sgl-kvmap: one sequence, token-major, per layer
+``keys[l], values[l]: [tokens, kv_heads, head_dim]``, keys post-RoPE (as engines cache them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from .spec import ModelSpec, spec_from_config
+
+_CAPTURE_ATTENTION = "sgl_kvmap_capture"
+_capture_state = threading.local()
+
+
+@dataclass
+class KVCache:
+    """A single sequence's KV cache. keys/values: L x [tokens, kv_heads, head_dim]; positions: [tokens]."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    positions: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.positions.numel()
+
+    def slice(self, start: int, end: int | None = None) -> KVCache:
+        """Tokens [start, end) of every layer."""
+        return KVCache(
+            [k[start:end] for k in self.keys],
+            [v[start:end] for v in self.values],
+            self.positions[start:end],
+        )
+
+    def replace_front(self, front: KVCache) -> KVCache:
+        """This cache with its first len(front) tokens taken from ``front`` (same positions)."""
+        n = len(front)
+        return KVCache(
+            [torch.cat((f, k[n:])) for f, k in zip(front.keys, self.keys)],
+            [torch.cat((f, v[n:])) for f, v in zip(front.values, self.values)],
+            self.positions,
+        )
+
+    def to_hf(self):
+        """As a transformers DynamicCache (batch of one)."""
+        from transformers import DynamicCache
+
+        pairs = [(k.transpose(0, 1)[None], v.transpose(0, 1)[None]) for k, v in zip(self.keys, self.values)]
+        return DynamicCache(ddp_cache_data=pairs)
+
+
+@dataclass
+class ForwardResult:
+    """logits: [kept_tokens, vocab] float32; cache: the full cache after the call;
+    queries: L x [tokens, heads, head_dim] post-RoPE (only when asked for)."""
+
+    logits: torch.Tensor | None
+    cache: KVCache
+    queries: list[torch.Tensor] | None = None
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    spec: ModelSpec
+
+
+def load_model(path: str, revision: str | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load a causal LM + tokenizer (folder or Hub id) for inference and describe it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
+    model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=dtype)
+    model.eval()
+    spec = spec_from_config(model.config, tokenizer, model_id=str(path), revision=revision)
+    return LoadedModel(model, tokenizer, spec)
+
+
+@torch.inference_mode()
+def run(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    past: KVCache | None = None,
+    logits_to_keep: int = 0,
+    want_queries: bool = False,
+    chunk_size: int | None = None,
+) -> ForwardResult:
+    """Prefill ``input_ids: [tokens]`` after ``past`` (positions continue from it).
+
+    ``logits_to_keep``: logits of the last N tokens (0: none). ``chunk_size`` bounds activation
+    memory for long inputs by prefilling in pieces (the result is the same).
+    """
+    if input_ids.ndim != 1 or input_ids.numel() == 0:
+        raise ValueError(f"input_ids must be a non-empty 1-D tensor, got shape {tuple(input_ids.shape)}")
+    chunks = input_ids.split(chunk_size or input_ids.numel())
+    logits, queries = [], []
+    cache = past
+    for i, chunk in enumerate(chunks):
+        keep = max(0, logits_to_keep - sum(c.numel() for c in chunks[i + 1 :]))
+        out, chunk_queries = _forward(model, chunk, cache, min(keep, chunk.numel()), want_queries)
+        cache = _from_hf(getattr(out, "cache", None) or out.past_key_values)
+        if keep:
+            logits.append(out.logits[0, -keep:].float())
+        queries.append(chunk_queries)
+    return ForwardResult(
+        logits=torch.cat(logits) if logits else None,
+        cache=cache,
+        queries=[torch.cat(q) for q in zip(*queries)] if want_queries else None,
+    )
+
+
+def capture_kv(model: torch.nn.Module, input_ids: torch.Tensor, chunk_size: int | None = None) -> KVCache:
+    """Post-RoPE K, V of every layer for ``input_ids: [tokens]`` at positions 0..tokens-1."""
+    return run(model, input_ids, chunk_size=chunk_size).cache
+
+
+def _forward(model, ids: torch.Tensor, past: KVCache | None, keep: int, want_queries: bool):
+    start = len(past) if past is not None else 0
+    positions = torch.arange(start, start + ids.numel())
+    kwargs = dict(
+        input_ids=ids[None],
+        position_ids=positions[None],
+        use_cache=True,
+        logits_to_keep=max(keep, 1),
+    )
+    kwargs[_cache_argument(model)] = past.to_hf() if past is not None else None
+    if not want_queries:
+        return model(**kwargs), None
+    with _recording_queries(model) as recorded:
+        out = model(**kwargs)
+    return out, [recorded[i] for i in sorted(recorded)]
+
+
+def _cache_argument(model) -> str:
+    """transformers renamed ``past_key_values`` to ``cache``; use whichever this version takes."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _from_hf(hf_cache) -> KVCache:
+    keys = [layer.keys[0].transpose(0, 1) for layer in hf_cache.layers]
+    values = [layer.values[0].transpose(0, 1) for layer in hf_cache.layers]
+    return KVCache(keys, values, torch.arange(keys[0].shape[0]))
+
+
+@contextlib.contextmanager
+def _recording_queries(model):
+    """Route attention through a wrapper of SDPA that records each layer's post-RoPE queries."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(_CAPTURE_ATTENTION, _recording_attention)
+    AttentionMaskInterface.register(_CAPTURE_ATTENTION, sdpa_mask)
+    previous = model.config._attn_implementation
+    _capture_state.queries = {}
+    model.set_attn_implementation(_CAPTURE_ATTENTION)
+    try:
+        yield _capture_state.queries
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def _recording_attention(module, query, key, value, attention_mask, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    _capture_state.queries[module.layer_idx] = query[0].transpose(0, 1).clone()
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)

@@ -1,0 +1,233 @@
+"""Fidelity of a mapper on held-out text, always beside the baselines.
+
+For each window of ``prefix_len + continuation`` tokens the target predicts the continuation
+(teacher-forced) under five conditions: its own prefix cache (reference), the translated cache
+(tail 0), the translated cache with ``tail`` more prompt tokens recomputed by the target, the
+SOURCE model alone, and no prefix at all. Per layer it also reports R^2 of the translated K/V
+against the target's true K/V (content space, sinks excluded) and the cosine between the
+target's attention outputs over translated vs true KV (true queries, causal).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from .capture import KVCache, LoadedModel, run
+from .mapper import KVMapper
+from .pack import check_models
+from .rope import tables_for_spec, unrope
+from .transfer import handoff_split, translate_prefix
+
+
+@dataclass
+class Quality:
+    """Top-1 next-token accuracy and mean NLL (nats) over the continuation tokens."""
+
+    accuracy: float
+    nll: float
+
+
+@dataclass
+class EvalReport:
+    reference: Quality
+    mapped: Quality
+    mapped_tail: Quality
+    source: Quality
+    no_prefix: Quality
+    r2_k: list[float]
+    r2_v: list[float]
+    attention_cosine: list[float]
+    windows: int
+    prefix_len: int
+    continuation: int
+    tail: int
+    sink_tokens: int
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def retention(self) -> float | None:
+        """Translated-cache accuracy over the target's own (None when the target scores 0)."""
+        return _ratio(self.mapped, self.reference)
+
+    @property
+    def retention_tail(self) -> float | None:
+        return _ratio(self.mapped_tail, self.reference)
+
+    @property
+    def gap_closed(self) -> float | None:
+        return _gap(self.mapped, self.source, self.reference)
+
+    @property
+    def gap_closed_tail(self) -> float | None:
+        return _gap(self.mapped_tail, self.source, self.reference)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        for name in ("retention", "retention_tail", "gap_closed", "gap_closed_tail"):
+            out[name] = getattr(self, name)
+        out["mean_r2_k"], out["mean_r2_v"] = _mean(self.r2_k), _mean(self.r2_v)
+        out["mean_attention_cosine"] = _mean(self.attention_cosine)
+        return out
+
+    def summary(self) -> dict[str, float]:
+        """Flat scalar metrics, as recorded in a pack."""
+        d = self.to_dict()
+        keys = ("retention", "retention_tail", "gap_closed", "gap_closed_tail", "mean_r2_k", "mean_r2_v", "mean_attention_cosine")
+        out = {f"eval_{k}": d[k] for k in keys if d[k] is not None}
+        for name in ("reference", "mapped", "mapped_tail", "source", "no_prefix"):
+            out[f"eval_{name}_accuracy"] = d[name]["accuracy"]
+            out[f"eval_{name}_nll"] = d[name]["nll"]
+        out.update(eval_windows=self.windows, eval_prefix_len=self.prefix_len, eval_continuation=self.continuation, eval_tail=self.tail)
+        return out
+
+    def table(self) -> str:
+        """Human-readable table."""
+        rows = [
+            ("target, own cache (reference)", self.reference, _pct(1.0), ""),
+            ("target, translated cache", self.mapped, _pct(self.retention), _pct(self.gap_closed)),
+            (f"target, translated + {self.tail}-token tail", self.mapped_tail, _pct(self.retention_tail), _pct(self.gap_closed_tail)),
+            ("source model alone", self.source, _pct(_ratio(self.source, self.reference)), ""),
+            ("target, no prefix", self.no_prefix, _pct(_ratio(self.no_prefix, self.reference)), ""),
+        ]
+        lines = [
+            f"{self.windows} windows, prefix {self.prefix_len}, continuation {self.continuation}, sink tokens {self.sink_tokens}",
+            f"{'condition':<40} {'top-1 acc':>9} {'NLL':>7} {'retention':>9} {'gap closed':>10}",
+        ]
+        lines += [f"{name:<40} {q.accuracy:>9.3f} {q.nll:>7.3f} {ret:>9} {gap:>10}" for name, q, ret, gap in rows]
+        lines.append(
+            f"translated KV vs true (mean over layers): R2 K {_mean(self.r2_k):.3f}  R2 V {_mean(self.r2_v):.3f}  "
+            f"attention-output cosine {_mean(self.attention_cosine):.3f}"
+        )
+        worst = sorted(range(len(self.attention_cosine)), key=lambda i: self.attention_cosine[i])[:3]
+        lines.append("lowest attention cosine: " + ", ".join(f"layer {i} {self.attention_cosine[i]:.3f}" for i in worst))
+        return "\n".join(lines)
+
+
+@dataclass
+class _Accumulator:
+    """Running sums over windows."""
+
+    correct: dict = field(default_factory=dict)
+    nll: dict = field(default_factory=dict)
+    count: int = 0
+    sse: dict = field(default_factory=dict)
+    sst: dict = field(default_factory=dict)
+    cosine: torch.Tensor | None = None
+    windows: int = 0
+
+    def add_quality(self, name: str, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        self.correct[name] = self.correct.get(name, 0) + (logits.argmax(-1) == labels).sum().item()
+        self.nll[name] = self.nll.get(name, 0.0) + F.cross_entropy(logits, labels, reduction="sum").item()
+
+    def quality(self, name: str) -> Quality:
+        return Quality(self.correct[name] / self.count, self.nll[name] / self.count)
+
+
+def evaluate(
+    mapper: KVMapper,
+    source: LoadedModel,
+    target: LoadedModel,
+    windows: list[torch.Tensor],
+    prefix_len: int,
+    continuation: int,
+    tail: int = 32,
+) -> EvalReport:
+    """Fidelity of ``mapper`` on ``windows`` (each ``[>= prefix_len + continuation]`` token ids)."""
+    check_models(mapper, source.spec, target.spec)
+    acc = _Accumulator()
+    for window in tqdm(windows, desc="evaluating", unit="win"):
+        _evaluate_window(mapper, source, target, window[: prefix_len + continuation], prefix_len, tail, acc)
+    per_head_r2 = {kind: 1 - acc.sse[kind] / acc.sst[kind] for kind in ("k", "v")}
+    return EvalReport(
+        reference=acc.quality("reference"), mapped=acc.quality("mapped"), mapped_tail=acc.quality("mapped_tail"),
+        source=acc.quality("source"), no_prefix=acc.quality("no_prefix"),
+        r2_k=per_head_r2["k"].mean(1).tolist(), r2_v=per_head_r2["v"].mean(1).tolist(),
+        attention_cosine=(acc.cosine / acc.windows).tolist(),
+        windows=acc.windows, prefix_len=prefix_len, continuation=continuation, tail=tail, sink_tokens=mapper.sink_tokens,
+    )  # fmt: skip
+
+
+def _evaluate_window(mapper, source, target, window, prefix_len, tail, acc: _Accumulator) -> None:
+    continuation = window.numel() - prefix_len
+    labels = window[prefix_len:]
+    keep = continuation + 1  # logits at positions prefix_len-1 .. end-1; the last one is dropped
+    truth = run(target.model, window, logits_to_keep=keep, want_queries=True)
+    acc.add_quality("reference", truth.logits[:-1], labels)
+    src = run(source.model, window, logits_to_keep=keep)
+    acc.add_quality("source", src.logits[:-1], labels)
+    none = run(target.model, window[prefix_len - 1 :], logits_to_keep=keep)
+    acc.add_quality("no_prefix", none.logits[:-1], labels)
+    for name, t in (("mapped", 0), ("mapped_tail", tail)):
+        split = handoff_split(prefix_len, t)
+        translated = translate_prefix(mapper, src.cache.slice(0, split), window[:split], target.model)
+        out = run(target.model, window[split:], past=translated, logits_to_keep=keep)
+        acc.add_quality(name, out.logits[:-1], labels)
+        if t == 0:
+            _add_layer_fidelity(acc, translated, truth, target, mapper.sink_tokens, prefix_len)
+    acc.count += continuation
+    acc.windows += 1
+
+
+def _add_layer_fidelity(acc: _Accumulator, translated: KVCache, truth, target: LoadedModel, sinks: int, prefix_len: int):
+    spec = target.spec
+    true_prefix = truth.cache.slice(sinks, len(translated))
+    mapped = translated.slice(sinks)
+    tables = tables_for_spec(spec, mapped.positions)
+    pairs = {
+        "k": [(unrope(m, tables, spec.rope_style), unrope(t, tables, spec.rope_style)) for m, t in zip(mapped.keys, true_prefix.keys)],
+        "v": list(zip(mapped.values, true_prefix.values)),
+    }
+    for kind, layers in pairs.items():
+        sse = torch.stack([(m - t).double().square().sum((0, 2)) for m, t in layers])  # [L, heads]
+        sst = torch.stack([(t.double() - t.double().mean(0)).square().sum((0, 2)) for _, t in layers])
+        acc.sse[kind] = acc.sse.get(kind, 0) + sse
+        acc.sst[kind] = acc.sst.get(kind, 0) + sst
+    cos = torch.tensor([
+        _attention_cosine(q, k_true, v_true, k_map, v_map, prefix_len)
+        for q, k_true, v_true, k_map, v_map in zip(
+            truth.queries, truth.cache.keys, truth.cache.values, translated.keys, translated.values
+        )
+    ])  # fmt: skip
+    acc.cosine = cos if acc.cosine is None else acc.cosine + cos
+
+
+def _attention_cosine(q, k_true, v_true, k_map, v_map, first_query: int) -> float:
+    """Mean cosine of attention outputs of queries [first_query-1:] over true vs translated KV.
+    q: [T, H, d]; k/v_true: [T, kv, d]; k/v_map: [m, kv, d] replace the first m tokens."""
+    m = k_map.shape[0]
+    k_mixed, v_mixed = torch.cat((k_map, k_true[m:])), torch.cat((v_map, v_true[m:]))
+    queries = q[first_query - 1 :]
+    out_true = _causal_attention(queries, k_true, v_true)
+    out_map = _causal_attention(queries, k_mixed, v_mixed)
+    return F.cosine_similarity(out_true, out_map, dim=-1).mean().item()
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q: [n, H, d] for the LAST n positions of k, v: [T, kv, d] -> [n, H, d]."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1).float(), v.repeat_interleave(groups, 1).float()
+    n, total = q.shape[0], k.shape[0]
+    mask = torch.ones(n, total, dtype=torch.bool).tril(total - n)
+    return F.scaled_dot_product_attention(q.float().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask).transpose(0, 1)
+
+
+def _gap(mapped: Quality, source: Quality, reference: Quality) -> float | None:
+    spread = reference.accuracy - source.accuracy
+    return None if math.isclose(spread, 0.0, abs_tol=1e-12) else (mapped.accuracy - source.accuracy) / spread
+
+
+def _ratio(a: Quality, b: Quality) -> float | None:
+    return None if b.accuracy == 0 else a.accuracy / b.accuracy
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"

@@ -1,0 +1,153 @@
+"""Closed-form ridge mappers and source-layer selection, from sufficient statistics (pure).
+
+Columns: the source's features are all its layers' RoPE-stripped K (or V) side by side,
+layer s at columns [s * ws, (s+1) * ws) with ws = kv_heads_s * head_dim_s; the target's
+layer l sits at [l * wt, (l+1) * wt). A target layer's map reads the columns of its selected
+source layers, so every selection's Gram is a sub-block of one streamed Gram: a single pass
+over calibration text serves every k, every layer and both K and V.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import KVMapError
+from .stats import ACC, Moments, residuals
+
+KINDS = ("k", "v")
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Source and target layer counts, per-layer widths, and the target's head_dim."""
+
+    source_layers: int
+    source_width: int
+    target_layers: int
+    target_width: int
+    target_head_dim: int
+
+    def source_cols(self, layers) -> torch.Tensor:
+        return torch.cat([torch.arange(s * self.source_width, (s + 1) * self.source_width) for s in layers])
+
+    def target_cols(self, layer: int) -> torch.Tensor:
+        return torch.arange(layer * self.target_width, (layer + 1) * self.target_width)
+
+
+@dataclass
+class LayerMap:
+    """Affine map of one target layer, K or V: y = x @ weight + bias.
+    weight: [k * source_width, target_width], bias: [target_width]."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor
+
+
+def ridge_solve(cxx: torch.Tensor, cxy: torch.Tensor, ridge: float) -> torch.Tensor:
+    """W = (cxx + ridge I)^-1 cxy. cxx: [d, d] centred Gram, cxy: [d, m]. Returns [d, m] float64."""
+    return torch.cholesky_solve(cxy.to(ACC), _cholesky(cxx, ridge))
+
+
+def fit_affine(m: Moments, x_cols: torch.Tensor, y_cols: torch.Tensor, ridge: float, factor=None):
+    """Ridge fit of y[:, y_cols] on x[:, x_cols]. Returns (w [dx, dy], b [dy]) float64.
+    ``factor``: a Cholesky factor of this Gram to reuse (from ``_cholesky``)."""
+    chol = factor if factor is not None else _cholesky(m.centered_gram(x_cols), ridge)
+    w = torch.cholesky_solve(m.centered_cross(x_cols, y_cols), chol)
+    b = m.mean_y[y_cols] - m.mean_x[x_cols] @ w
+    return w, b
+
+
+def r2_by_head(sse: torch.Tensor, sst: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """1 - SSE/SST per head (sums over the head's dims). sse, sst: [heads * head_dim] -> [heads]."""
+    return 1 - sse.reshape(-1, head_dim).sum(1) / sst.reshape(-1, head_dim).sum(1)
+
+
+def probe_scores(train: dict[str, Moments], geo: Geometry, ridge: float) -> torch.Tensor:
+    """Single-source-layer probe R^2 for every (target layer, source layer): [Lt, Ls].
+
+    Averaged over target heads and over K and V, as the method prescribes.
+    """
+    scores = torch.zeros(geo.target_layers, geo.source_layers, dtype=ACC)
+    all_y = torch.arange(geo.target_layers * geo.target_width)
+    for kind in KINDS:
+        m = train[kind]
+        for s in range(geo.source_layers):
+            x_cols = geo.source_cols([s])
+            w, b = fit_affine(m, x_cols, all_y, ridge)
+            sse, sst = residuals(m, x_cols, all_y, w, b)
+            per_head = r2_by_head(sse, sst, geo.target_head_dim)
+            scores[:, s] += per_head.reshape(geo.target_layers, -1).mean(1) / len(KINDS)
+    return scores
+
+
+def top_k_selection(scores: torch.Tensor, k: int) -> list[list[int]]:
+    """Each target layer's k best-scoring source layers, ascending. scores: [Lt, Ls]."""
+    if not 1 <= k <= scores.shape[1]:
+        raise KVMapError(f"k must be in 1..{scores.shape[1]}, got {k}")
+    return [sorted(row.topk(k).indices.tolist()) for row in scores]
+
+
+def candidate_ks(source_layers: int) -> list[int]:
+    """1, 2, 4, 8, ... below the source's layer count, then all of them."""
+    ks, k = [], 1
+    while k < source_layers:
+        ks.append(k)
+        k *= 2
+    return ks + [source_layers]
+
+
+def heldout_r2(
+    train: dict[str, Moments], heldout: dict[str, Moments], selection: list[list[int]], geo: Geometry, ridge: float
+) -> dict[str, torch.Tensor]:
+    """Held-out R^2 per target layer (mean over heads) of maps fitted on ``train``: kind -> [Lt]."""
+    out = {}
+    for kind in KINDS:
+        maps = _fit_layers(train[kind], selection, geo, ridge)
+        r2 = []
+        for layer, layer_map in enumerate(maps):
+            x_cols, y_cols = geo.source_cols(selection[layer]), geo.target_cols(layer)
+            sse, sst = residuals(heldout[kind], x_cols, y_cols, layer_map.weight, layer_map.bias)
+            r2.append(r2_by_head(sse, sst, geo.target_head_dim).mean())
+        out[kind] = torch.stack(r2)
+    return out
+
+
+def fit_maps(moments: dict[str, Moments], selection: list[list[int]], geo: Geometry, ridge: float) -> dict[str, list[LayerMap]]:
+    """Final float32 maps of every target layer for K and V: kind -> Lt x LayerMap."""
+    return {
+        kind: [LayerMap(m.weight.float(), m.bias.float()) for m in _fit_layers(moments[kind], selection, geo, ridge)]
+        for kind in KINDS
+    }
+
+
+def _fit_layers(m: Moments, selection: list[list[int]], geo: Geometry, ridge: float) -> list[LayerMap]:
+    factors: dict[tuple[int, ...], torch.Tensor] = {}  # layers sharing a selection share one factor
+    maps = []
+    for layer, sources in enumerate(selection):
+        x_cols = geo.source_cols(sources)
+        key = tuple(sources)
+        if key not in factors:
+            factors[key] = _cholesky(m.centered_gram(x_cols), ridge)
+        w, b = fit_affine(m, x_cols, geo.target_cols(layer), ridge, factor=factors[key])
+        maps.append(LayerMap(w, b))
+    return maps
+
+
+def _cholesky(cxx: torch.Tensor, ridge: float) -> torch.Tensor:
+    """Cholesky factor of cxx + ridge I.
+
+    With fewer tokens than features the Gram is singular, and float32 accumulation leaves it
+    slightly indefinite; then the factor is taken of its nearest PSD matrix (eigenvalues
+    clamped at zero) plus ridge I, which is what the ridge solution means there.
+    """
+    eye = torch.eye(cxx.shape[0], dtype=ACC)
+    factor, info = torch.linalg.cholesky_ex(cxx.to(ACC) + ridge * eye)
+    if info.item() == 0:
+        return factor
+    if ridge <= 0:
+        raise KVMapError("the calibration Gram is singular; use a positive ridge or more calibration tokens")
+    values, vectors = torch.linalg.eigh(cxx.to(ACC))
+    repaired = (vectors * (values.clamp(min=0) + ridge)) @ vectors.T
+    return torch.linalg.cholesky((repaired + repaired.T) / 2)

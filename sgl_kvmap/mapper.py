@@ -1,0 +1,104 @@
+"""KVMapper: fitted per-layer maps from a source model's KV cache to a target model's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .capture import KVCache
+from .errors import KVMapError
+from .fit import KINDS, LayerMap
+from .rope import tables_for_spec, rope, unrope
+from .spec import ModelSpec
+
+
+@dataclass
+class KVMapper:
+    """Maps source KV (post-RoPE) to target KV (post-RoPE) through RoPE-free content space.
+
+    ``selection[l]``: source layers read by target layer l (ascending). ``maps[kind][l]``: the
+    affine map of target layer l for "k" or "v" over those layers' concatenated features.
+    ``sink_tokens``: leading tokens whose target KV should be computed by the target itself
+    (attention sinks map badly); ``translate_prefix`` honours it. ``info`` holds the
+    calibration recipe and measured metrics recorded in the pack.
+    """
+
+    source: ModelSpec
+    target: ModelSpec
+    selection: list[list[int]]
+    maps: dict[str, list[LayerMap]]
+    ridge: float
+    sink_tokens: int = 1
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def k(self) -> int:
+        """Source layers per target layer (the largest, if layers differ)."""
+        return max(len(s) for s in self.selection)
+
+    def validate(self) -> None:
+        """Check that selection and tensor shapes agree with both specs (raises KVMapError)."""
+        if len(self.selection) != self.target.num_layers:
+            raise KVMapError(f"selection has {len(self.selection)} layers, target has {self.target.num_layers}")
+        for layer, sources in enumerate(self.selection):
+            if not sources or any(not 0 <= s < self.source.num_layers for s in sources):
+                raise KVMapError(f"target layer {layer}: invalid source layers {sources}")
+            for kind in KINDS:
+                m = self.maps[kind][layer]
+                want = (len(sources) * self.source.kv_width, self.target.kv_width)
+                if tuple(m.weight.shape) != want or tuple(m.bias.shape) != want[1:]:
+                    raise KVMapError(
+                        f"{kind} map of target layer {layer} has shape {tuple(m.weight.shape)}/"
+                        f"{tuple(m.bias.shape)}, expected {want}/{want[1:]}"
+                    )
+
+    def map(self, source_cache: KVCache) -> KVCache:
+        """Reference map. source_cache: Ls x [t, kv_s, d_s] post-RoPE -> Lt x [t, kv_t, d_t] post-RoPE.
+
+        Math in float32; the result has the source cache's dtype and the same positions.
+        """
+        self._check_source(source_cache)
+        positions = source_cache.positions
+        src_tables, tgt_tables = tables_for_spec(self.source, positions), tables_for_spec(self.target, positions)
+        t = len(source_cache)
+        features = {
+            "k": [unrope(k, src_tables, self.source.rope_style).reshape(t, -1) for k in source_cache.keys],
+            "v": [v.float().reshape(t, -1) for v in source_cache.values],
+        }
+        shape = (t, self.target.num_kv_heads, self.target.head_dim)
+        keys, values = [], []
+        for layer, sources in enumerate(self.selection):
+            k = self._apply("k", layer, sources, features).reshape(shape)
+            keys.append(rope(k, tgt_tables, self.target.rope_style).to(source_cache.keys[0].dtype))
+            values.append(self._apply("v", layer, sources, features).reshape(shape).to(source_cache.values[0].dtype))
+        return KVCache(keys, values, positions)
+
+    def _apply(self, kind: str, layer: int, sources: list[int], features) -> torch.Tensor:
+        x = torch.cat([features[kind][s] for s in sources], dim=1)
+        m = self.maps[kind][layer]
+        return torch.addmm(m.bias, x, m.weight)
+
+    def _check_source(self, cache: KVCache) -> None:
+        want = (self.source.num_layers, self.source.num_kv_heads, self.source.head_dim)
+        got = (len(cache.keys), *cache.keys[0].shape[1:]) if cache.keys else (0,)
+        if got != want:
+            raise KVMapError(f"source cache has (layers, kv_heads, head_dim) {got}, this mapper expects {want}")
+
+    def save_pretrained(self, folder: str | Path) -> Path:
+        """Write the pack folder (mapper.safetensors + kvmap.json + README.md) atomically."""
+        from .pack import save_pack
+
+        return save_pack(self, Path(folder))
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path) -> KVMapper:
+        """Load and validate a pack folder; raises PackError for a wrong or damaged pack."""
+        from .pack import load_pack
+
+        return load_pack(Path(folder))

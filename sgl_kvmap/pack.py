@@ -1,0 +1,215 @@
+"""Mapper packs: one folder, identical locally and on the Hub.
+
+    mapper.safetensors   k.{layer}.weight / k.{layer}.bias / v.{layer}.* (float32)
+    kvmap.json           format version, both ModelSpecs + fingerprints, selection, ridge,
+                         sink tokens, calibration recipe, metrics, sha256 of the tensors
+    README.md            model card generated from kvmap.json
+
+Saving writes a temporary sibling folder and renames it into place, so a crash never leaves a
+half-written pack. Loading checks everything and raises PackError saying what is wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .errors import KVMapError, PackError, PairMismatchError
+from .fit import KINDS, LayerMap
+from .spec import ModelSpec
+
+TENSORS_FILE = "mapper.safetensors"
+CONFIG_FILE = "kvmap.json"
+CARD_FILE = "README.md"
+FORMAT_NAME = "sgl-kvmap"
+FORMAT_VERSION = 1
+
+
+def save_pack(mapper, folder: Path) -> Path:
+    """Write ``mapper`` to ``folder`` (replaced whole if it exists). Returns the folder."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
+    try:
+        save_file(_tensors(mapper), staging / TENSORS_FILE, metadata={"format": FORMAT_NAME})
+        config = _config(mapper, _sha256(staging / TENSORS_FILE))
+        (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        (staging / CARD_FILE).write_text(model_card(config))
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(staging, folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return folder
+
+
+def load_pack(folder: Path):
+    """Read and validate a pack folder. Raises PackError for anything wrong or damaged."""
+    from .mapper import KVMapper
+
+    folder = Path(folder)
+    config = read_config(folder)
+    tensors_path = folder / TENSORS_FILE
+    if not tensors_path.is_file():
+        raise PackError(f"{folder}: {TENSORS_FILE} is missing; re-download or re-build the pack")
+    if _sha256(tensors_path) != config["tensors_sha256"]:
+        raise PackError(f"{folder}: {TENSORS_FILE} does not match the checksum in {CONFIG_FILE} (damaged or edited)")
+    try:
+        tensors = load_file(tensors_path)
+        source, target = _spec(config, "source"), _spec(config, "target")
+        selection = [list(map(int, s)) for s in config["selection"]]
+        maps = {kind: [_layer_map(tensors, kind, layer) for layer in range(len(selection))] for kind in KINDS}
+        mapper = KVMapper(
+            source=source, target=target, selection=selection, maps=maps, ridge=float(config["ridge"]),
+            sink_tokens=int(config["sink_tokens"]), info={k: config.get(k, {}) for k in ("calibration", "metrics")},
+        )  # fmt: skip
+    except (KeyError, TypeError, ValueError, SafetensorError) as err:
+        raise PackError(f"{folder}: malformed pack ({type(err).__name__}: {err})") from err
+    except KVMapError as err:
+        raise PackError(f"{folder}: inconsistent pack: {err}") from err
+    return mapper
+
+
+def read_config(folder: Path) -> dict[str, Any]:
+    """The validated kvmap.json of a pack folder (format and version checked)."""
+    path = Path(folder) / CONFIG_FILE
+    if not path.is_file():
+        raise PackError(f"{folder} is not a mapper pack: {CONFIG_FILE} is missing")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise PackError(f"{path}: not valid JSON ({err})") from err
+    if not isinstance(config, dict) or config.get("format") != FORMAT_NAME:
+        raise PackError(f"{path}: not an {FORMAT_NAME} pack (format field {config.get('format')!r})")
+    if config.get("format_version") != FORMAT_VERSION:
+        raise PackError(
+            f"{path}: pack format version {config.get('format_version')!r}; this sgl-kvmap reads "
+            f"version {FORMAT_VERSION}. Upgrade sgl-kvmap or re-build the pack."
+        )
+    return config
+
+
+def check_models(mapper, source: ModelSpec, target: ModelSpec) -> None:
+    """Refuse to use ``mapper`` with models other than the ones it was fitted for."""
+    for role, fitted, given in (("source", mapper.source, source), ("target", mapper.target, target)):
+        if fitted.fingerprint != given.fingerprint:
+            diff = _spec_difference(fitted, given)
+            raise PairMismatchError(
+                f"this pack's {role} is {fitted.model_id} but {given.model_id} was given ({diff}); "
+                "fit a pack for this pair with `sgl-kvmap fit`."
+            )
+
+
+def model_card(config: dict[str, Any]) -> str:
+    """A Hub model card (README.md) for a pack, from its kvmap.json."""
+    src, tgt = config["source"], config["target"]
+    metrics = config.get("metrics", {})
+    rows = "\n".join(f"| {k} | {_fmt(v)} |" for k, v in sorted(metrics.items()) if not isinstance(v, (list, dict)))
+    calib = config.get("calibration", {})
+    return f"""---
+library_name: sgl-kvmap
+tags: [kv-cache, sglang, cross-model-kv-transfer]
+---
+# KV mapper: {src['model_id']} -> {tgt['model_id']}
+
+Closed-form per-head ridge mapper (RoPE-stripped, cross-layer source selection) that turns
+the KV cache of `{src['model_id']}` into a KV cache for `{tgt['model_id']}`, so the target can
+continue a conversation without re-running prefill. Made with sgl-kvmap.
+
+| | source | target |
+| --- | --- | --- |
+| layers | {src['num_layers']} | {tgt['num_layers']} |
+| KV heads x head_dim | {src['num_kv_heads']} x {src['head_dim']} | {tgt['num_kv_heads']} x {tgt['head_dim']} |
+| fingerprint | `{config['source_fingerprint'][:16]}` | `{config['target_fingerprint'][:16]}` |
+
+Source layers per target layer (k): {max(len(s) for s in config['selection'])}; ridge {config['ridge']};
+target-computed sink tokens: {config['sink_tokens']}.
+Calibration: {_fmt(calib.get('tokens', '?'))} tokens from {calib.get('text', '?')}.
+
+## Measured
+
+| metric | value |
+| --- | --- |
+{rows or '| (none recorded) | |'}
+
+## Use
+
+```python
+from sgl_kvmap import KVMapper
+mapper = KVMapper.from_pretrained("path/or/repo")
+target_cache = mapper.map(source_cache)
+```
+"""
+
+
+def _tensors(mapper) -> dict[str, torch.Tensor]:
+    out = {}
+    for kind in KINDS:
+        for layer, m in enumerate(mapper.maps[kind]):
+            out[f"{kind}.{layer}.weight"] = m.weight.float().contiguous()
+            out[f"{kind}.{layer}.bias"] = m.bias.float().contiguous()
+    return out
+
+
+def _config(mapper, tensors_sha256: str) -> dict[str, Any]:
+    from . import __version__
+
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "library_version": __version__,
+        "source": mapper.source.to_dict(),
+        "target": mapper.target.to_dict(),
+        "source_fingerprint": mapper.source.fingerprint,
+        "target_fingerprint": mapper.target.fingerprint,
+        "selection": mapper.selection,
+        "ridge": mapper.ridge,
+        "sink_tokens": mapper.sink_tokens,
+        "calibration": mapper.info.get("calibration", {}),
+        "metrics": mapper.info.get("metrics", {}),
+        "tensors_sha256": tensors_sha256,
+    }
+
+
+def _spec(config: dict[str, Any], role: str) -> ModelSpec:
+    spec = ModelSpec.from_dict(config[role])
+    if spec.fingerprint != config[f"{role}_fingerprint"]:
+        raise PackError(f"the {role} spec in {CONFIG_FILE} does not match its recorded fingerprint (edited?)")
+    return spec
+
+
+def _layer_map(tensors: dict[str, torch.Tensor], kind: str, layer: int) -> LayerMap:
+    weight, bias = tensors[f"{kind}.{layer}.weight"], tensors[f"{kind}.{layer}.bias"]
+    if weight.dtype != torch.float32 or not (weight.isfinite().all() and bias.isfinite().all()):
+        raise PackError(f"{kind} map of layer {layer} is not finite float32")
+    return LayerMap(weight, bias)
+
+
+def _spec_difference(a: ModelSpec, b: ModelSpec) -> str:
+    da, db = a.to_dict(), b.to_dict()
+    fields = [k for k in da if k not in ("model_id", "revision", "config") and da[k] != db[k]]
+    if fields:
+        return ", ".join(f"{k}: {da[k]!r} vs {db[k]!r}" for k in fields)
+    return "their configs differ"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)

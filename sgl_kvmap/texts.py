@@ -1,0 +1,95 @@
+"""Text that exists offline, cut into token windows for calibration and evaluation.
+
+Defaults keep calibration and evaluation disjoint: calibration reads the Python standard
+library's sources; evaluation reads the sources of third-party packages that sgl-kvmap itself
+installs (click, tqdm, huggingface_hub) plus the system's licence texts, never the stdlib.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sysconfig
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+
+from .errors import KVMapError
+
+TEXT_SUFFIXES = {".py", ".md", ".rst", ".txt", ".json", ".toml", ".yaml", ".yml", ".c", ".h", ""}
+EVAL_PACKAGES = ("click", "tqdm", "huggingface_hub")
+LICENCE_DIR = Path("/usr/share/common-licenses")
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's .py files (site-packages excluded)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return [p for p in sorted(root.rglob("*.py")) if "site-packages" not in p.parts]
+
+
+def default_eval_files() -> list[Path]:
+    """Held-out text disjoint from the stdlib: third-party sources and licence texts."""
+    files: list[Path] = []
+    for name in EVAL_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec and spec.submodule_search_locations:
+            files += sorted(Path(next(iter(spec.submodule_search_locations))).rglob("*.py"))
+    if LICENCE_DIR.is_dir():
+        files += sorted(p for p in LICENCE_DIR.iterdir() if p.is_file())
+    return files
+
+
+def expand_paths(paths: Iterable[str | Path]) -> list[Path]:
+    """Files as given, folders expanded recursively to their text files; sorted, deduplicated."""
+    out: set[Path] = set()
+    for path in map(Path, paths):
+        if path.is_dir():
+            out.update(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+        elif path.is_file():
+            out.add(path)
+        else:
+            raise KVMapError(f"text path {path} does not exist")
+    if not out:
+        raise KVMapError(f"no text files found under {list(map(str, paths))}")
+    return sorted(out)
+
+
+def shuffled(files: Iterable[Path], seed: str = "sgl-kvmap") -> list[Path]:
+    """A deterministic, machine-independent shuffle (by hash of the file name and parent)."""
+    key = lambda p: hashlib.sha256(f"{seed}/{p.parent.name}/{p.name}".encode()).hexdigest()  # noqa: E731
+    return sorted(files, key=key)
+
+
+def calibration_windows(tokenizer, files: list[Path], window: int, max_tokens: int, per_file: int = 2048) -> Iterator[torch.Tensor]:
+    """Windows ``[window]`` of token ids from a stream of files (at most ``per_file`` tokens each),
+    in shuffled file order, until ``max_tokens`` tokens have been yielded."""
+    buffer: list[int] = []
+    produced = 0
+    for path in shuffled(files):
+        buffer += _tokens(tokenizer, path)[:per_file]
+        while len(buffer) >= window and produced + window <= max_tokens:
+            yield torch.tensor(buffer[:window])
+            buffer = buffer[window:]
+            produced += window
+        if produced + window > max_tokens:
+            return
+
+
+def eval_windows(tokenizer, files: list[Path], length: int, count: int) -> list[torch.Tensor]:
+    """Up to ``count`` windows ``[length]``: the opening tokens of distinct long-enough files."""
+    windows = []
+    for path in shuffled(files, seed="sgl-kvmap-eval"):
+        ids = _tokens(tokenizer, path)
+        if len(ids) >= length:
+            windows.append(torch.tensor(ids[:length]))
+        if len(windows) == count:
+            break
+    if not windows:
+        raise KVMapError(f"no evaluation file has {length} tokens; pass longer texts or a shorter prefix")
+    return windows
+
+
+def _tokens(tokenizer, path: Path) -> list[int]:
+    text = path.read_text(encoding="utf-8", errors="replace")
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -1,0 +1,61 @@
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from sgl_kvmap.cli import main
+
+from .conftest import save_loaded
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tiny_pair, tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return save_loaded(tiny_pair[0], root / "src"), save_loaded(tiny_pair[1], root / "tgt")
+
+
+@pytest.fixture(scope="module")
+def fitted_pack(model_dirs, text_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("packs") / "pack"
+    args = ["fit", *model_dirs, "--out", str(out), "--calibration", str(text_dir / "calib"), "--tokens", "1024", "--window", "128", "--top-k", "2"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    return out, result.stdout
+
+
+def test_fit_writes_a_valid_pack_and_prints_its_summary(fitted_pack):
+    out, output = fitted_pack
+    summary = json.loads(output[: output.rindex("}") + 1])
+    assert summary["k"] == 2 and summary["train_tokens"] > 0
+    assert (out / "mapper.safetensors").is_file()
+
+
+def test_inspect_shows_the_pair(fitted_pack, model_dirs):
+    result = CliRunner().invoke(main, ["inspect", str(fitted_pack[0])])
+    assert result.exit_code == 0, result.output
+    assert model_dirs[0] in result.output and "kv 1x32" in result.output and "k 2" in result.output
+
+
+def test_eval_json_has_every_baseline(fitted_pack, text_dir):
+    args = ["eval", str(fitted_pack[0]), "--texts", str(text_dir / "eval"), "--prefix-len", "48", "--continuation", "16", "--tail", "4", "--windows", "2", "--json"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert {"reference", "mapped", "mapped_tail", "source", "no_prefix", "attention_cosine"} <= set(report)
+    assert report["windows"] == 2 and report["tail"] == 4
+
+
+def test_a_damaged_pack_fails_with_the_reason(fitted_pack, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(fitted_pack[0], broken)
+    (broken / "mapper.safetensors").write_bytes(b"0" * 100)
+    result = CliRunner().invoke(main, ["inspect", str(broken)])
+    assert result.exit_code != 0
+    assert "checksum" in str(result.exception)
+
+
+def test_bad_top_k_is_a_usage_error(model_dirs, tmp_path):
+    result = CliRunner().invoke(main, ["fit", *model_dirs, "--out", str(tmp_path / "p"), "--top-k", "lots"])
+    assert result.exit_code == 2 and "auto" in result.output

@@ -1,0 +1,88 @@
+"""A mapper fitted on a target that IS a cross-layer linear function of the source recovers it."""
+
+import pytest
+import torch
+
+from sgl_kvmap.calibrate import CalibrationConfig, PairStatistics, content_features, fit_from_statistics
+from sgl_kvmap.capture import KVCache, capture_kv
+from sgl_kvmap.errors import KVMapError
+from sgl_kvmap.rope import rope, tables_for_spec, unrope
+
+from .conftest import tiny_model
+
+# target layer -> source layers it is built from (3 source layers, 4 target layers)
+TRUE_SOURCES = [[0], [0, 2], [1], [1, 2]]
+
+
+def synthetic_target_cache(source_cache: KVCache, source_spec, target_spec, weights) -> KVCache:
+    """Target post-RoPE K/V that are exact affine maps of the source's content-space K/V."""
+    t = len(source_cache)
+    src_tables, tgt_tables = tables_for_spec(source_spec, source_cache.positions), tables_for_spec(target_spec, source_cache.positions)
+    content = {
+        "k": [unrope(k, src_tables, source_spec.rope_style).reshape(t, -1) for k in source_cache.keys],
+        "v": [v.reshape(t, -1) for v in source_cache.values],
+    }
+    shape = (t, target_spec.num_kv_heads, target_spec.head_dim)
+    out = {"k": [], "v": []}
+    for layer, sources in enumerate(TRUE_SOURCES):
+        for kind in ("k", "v"):
+            w, b = weights[kind][layer]
+            y = (torch.cat([content[kind][s] for s in sources], 1) @ w + b).reshape(shape)
+            out[kind].append(rope(y, tgt_tables, target_spec.rope_style) if kind == "k" else y)
+    return KVCache(out["k"], out["v"], source_cache.positions)
+
+
+@pytest.fixture(scope="module")
+def exact_problem(tiny_pair):
+    source, target = tiny_pair
+    torch.manual_seed(0)
+    ws, wt = source.spec.kv_width, target.spec.kv_width
+    weights = {kind: [(torch.randn(len(s) * ws, wt) / ws**0.5, torch.randn(wt)) for s in TRUE_SOURCES] for kind in ("k", "v")}
+    stats = PairStatistics(source.spec, target.spec)
+    for i in range(6):
+        src = capture_kv(source.model, torch.randint(0, 100, (64,)))
+        tgt = synthetic_target_cache(src, source.spec, target.spec, weights)
+        stats.update(content_features(src, source.spec, slice(1, None)), content_features(tgt, target.spec, slice(1, None)), held_out=i == 5)
+    return source, target, weights, stats
+
+
+def test_exact_linear_target_is_recovered(exact_problem):
+    source, target, weights, stats = exact_problem
+    mapper, report = fit_from_statistics(stats, CalibrationConfig(ridge=1e-6, top_k=2))
+    for layer, sources in enumerate(TRUE_SOURCES):
+        assert set(sources) <= set(mapper.selection[layer])
+    assert min(report.r2_k) > 0.999 and min(report.r2_v) > 0.999
+    src = capture_kv(source.model, torch.randint(0, 100, (80,)))  # unseen tokens and positions
+    expected = synthetic_target_cache(src, source.spec, target.spec, weights)
+    mapped = mapper.map(src)
+    for got, want in zip(mapped.keys + mapped.values, expected.keys + expected.values):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=2e-3)
+
+
+def test_auto_k_prefers_the_smallest_sufficient_k(exact_problem):
+    *_, stats = exact_problem
+    mapper, report = fit_from_statistics(stats, CalibrationConfig(ridge=1e-6))
+    assert report.chosen_k == 2  # k=1 misses layers built from two sources; 2 and 3 are both exact
+    assert report.per_k[1]["k"] < 0.99 < report.per_k[2]["k"]
+
+
+def test_map_refuses_a_cache_of_another_geometry(exact_problem, tiny_pair):
+    *_, stats = exact_problem
+    mapper, _ = fit_from_statistics(stats, CalibrationConfig(ridge=1e-6, top_k=1))
+    wrong = capture_kv(tiny_pair[1].model, torch.randint(0, 100, (10,)))  # the target's own cache
+    with pytest.raises(KVMapError, match="source cache has"):
+        mapper.map(wrong)
+
+
+def test_mapping_between_a_model_and_itself_is_near_exact(tiny_pair):
+    """Source == target: each layer is exactly its own source layer (k=1 suffices)."""
+    model = tiny_pair[0]
+    stats = PairStatistics(model.spec, model.spec)
+    for i in range(4):
+        feats = content_features(capture_kv(model.model, torch.randint(0, 100, (64,))), model.spec, slice(1, None))
+        stats.update(feats, feats, held_out=i == 3)
+    mapper, report = fit_from_statistics(stats, CalibrationConfig(ridge=1e-6, top_k=1))
+    assert mapper.selection == [[0], [1], [2]]
+    src = capture_kv(model.model, torch.randint(0, 100, (30,)))
+    for got, want in zip(mapper.map(src).keys, src.keys):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)

@@ -1,0 +1,97 @@
+import json
+
+import pytest
+import torch
+
+from sgl_kvmap import pack
+from sgl_kvmap.calibrate import CalibrationConfig, PairStatistics, content_features, fit_from_statistics
+from sgl_kvmap.capture import capture_kv
+from sgl_kvmap.errors import PackError, PairMismatchError
+from sgl_kvmap.mapper import KVMapper
+
+from .conftest import tiny_model
+
+
+@pytest.fixture(scope="module")
+def mapper(tiny_pair) -> KVMapper:
+    source, target = tiny_pair
+    stats = PairStatistics(source.spec, target.spec)
+    for i in range(4):
+        ids = torch.randint(0, 100, (64,))
+        x = content_features(capture_kv(source.model, ids), source.spec, slice(1, None))
+        y = content_features(capture_kv(target.model, ids), target.spec, slice(1, None))
+        stats.update(x, y, held_out=i == 3)
+    fitted, _ = fit_from_statistics(stats, CalibrationConfig(top_k=2), recipe={"text": "random ids", "tokens": 256})
+    fitted.info["metrics"]["eval_retention"] = 0.5
+    return fitted
+
+
+@pytest.fixture
+def saved(mapper, tmp_path):
+    return mapper.save_pretrained(tmp_path / "pack")
+
+
+def test_round_trip_keeps_everything(mapper, saved, tiny_pair):
+    loaded = KVMapper.from_pretrained(saved)
+    assert loaded.selection == mapper.selection and loaded.ridge == mapper.ridge
+    assert loaded.source == mapper.source and loaded.target.fingerprint == mapper.target.fingerprint
+    assert loaded.info["metrics"]["eval_retention"] == 0.5
+    cache = capture_kv(tiny_pair[0].model, torch.randint(0, 100, (20,)))
+    for a, b in zip(loaded.map(cache).keys, mapper.map(cache).keys):
+        assert torch.equal(a, b)
+    assert sorted(p.name for p in saved.iterdir()) == ["README.md", "kvmap.json", "mapper.safetensors"]
+    card = (saved / "README.md").read_text()
+    assert "tiny-qwen2-1" in card and "eval_retention | 0.5" in card
+
+
+def test_json_is_sorted_and_indented(saved):
+    text = (saved / "kvmap.json").read_text()
+    data = json.loads(text)
+    assert text == json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+
+def edit_json(folder, fn):
+    path = folder / "kvmap.json"
+    data = json.loads(path.read_text())
+    fn(data)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda f: (f / "mapper.safetensors").unlink(), "mapper.safetensors is missing"),
+        (lambda f: (f / "kvmap.json").unlink(), "kvmap.json is missing"),
+        (lambda f: (f / "kvmap.json").write_text("{not json"), "not valid JSON"),
+        (lambda f: (f / "mapper.safetensors").write_bytes((f / "mapper.safetensors").read_bytes()[:-8]), "checksum"),
+        (lambda f: edit_json(f, lambda d: d.update(format_version=99)), "format version 99"),
+        (lambda f: edit_json(f, lambda d: d.update(format="other")), "not an sgl-kvmap pack"),
+        (lambda f: edit_json(f, lambda d: d["target"].update(head_dim=64)), "fingerprint"),
+        (lambda f: edit_json(f, lambda d: d["selection"].pop()), "inconsistent pack"),
+        (lambda f: edit_json(f, lambda d: d.pop("ridge")), "malformed pack"),
+    ],
+)
+def test_damaged_packs_are_refused_with_a_clear_message(saved, damage, message):
+    damage(saved)
+    with pytest.raises(PackError, match=message):
+        KVMapper.from_pretrained(saved)
+
+
+def test_a_failed_save_leaves_the_old_pack_and_no_debris(mapper, saved, monkeypatch):
+    before = (saved / "mapper.safetensors").read_bytes()
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(pack, "model_card", broken)
+    with pytest.raises(OSError, match="disk full"):
+        mapper.save_pretrained(saved)
+    assert (saved / "mapper.safetensors").read_bytes() == before
+    assert [p.name for p in saved.parent.iterdir()] == ["pack"]
+
+
+def test_pack_refuses_other_models(mapper, tiny_pair):
+    other = tiny_model("qwen2", seed=3, layers=5)
+    pack.check_models(mapper, *(m.spec for m in tiny_pair))
+    with pytest.raises(PairMismatchError, match="num_layers: 4 vs 5"):
+        pack.check_models(mapper, tiny_pair[0].spec, other.spec)
