@@ -55,7 +55,10 @@ class CalibrationConfig:
         if self.top_k != "auto" and not (isinstance(self.top_k, int) and self.top_k >= 1):
             raise KVMapError(f"top_k must be 'auto' or a positive int, got {self.top_k!r}")
         if self.tokens < 2 * self.window:
-            raise KVMapError(f"need at least two windows of calibration ({2 * self.window} tokens), got {self.tokens}")
+            raise KVMapError(
+                f"need at least two windows of calibration ({2 * self.window} tokens), "
+                f"got {self.tokens}"
+            )
         if not 0 <= self.skip_first < self.window or self.stride < 1 or self.heldout_every < 2:
             raise KVMapError("invalid skip_first / stride / heldout_every")
 
@@ -98,7 +101,9 @@ class PairStatistics:
     train: dict[str, Moments] = field(default_factory=dict)
     heldout: dict[str, Moments] = field(default_factory=dict)
 
-    def update(self, x: dict[str, torch.Tensor], y: dict[str, torch.Tensor], held_out: bool) -> None:
+    def update(
+        self, x: dict[str, torch.Tensor], y: dict[str, torch.Tensor], held_out: bool
+    ) -> None:
         """Add one window's ``content_features`` of the source (x) and the target (y)."""
         for kind in KINDS:
             if kind not in self.train:
@@ -124,12 +129,21 @@ def fit_mapper(
     src, tgt = _loaded(source), _loaded(target)
     check_pair(src.spec, tgt.spec)
     files = expand_paths(calibration) if calibration else stdlib_files()
-    text_name = ", ".join(map(str, calibration)) if calibration else "Python standard library sources"
+    text_name = (
+        ", ".join(map(str, calibration)) if calibration else "Python standard library sources"
+    )
     forward, reverse = PairStatistics(src.spec, tgt.spec), PairStatistics(tgt.spec, src.spec)
     started = time.perf_counter()
-    windows = list(calibration_windows(src.tokenizer, files, config.window, config.tokens, config.per_file_tokens))
+    windows = list(
+        calibration_windows(
+            src.tokenizer, files, config.window, config.tokens, config.per_file_tokens
+        )
+    )
     if len(windows) < 2:
-        raise KVMapError(f"calibration text gave {len(windows)} window(s) of {config.window} tokens; need 2 or more")
+        raise KVMapError(
+            f"calibration text gave {len(windows)} window(s) of {config.window} tokens; "
+            "need 2 or more"
+        )
     heldout_windows = _heldout_indices(len(windows), config.heldout_every)
     for i, ids in enumerate(tqdm(windows, desc="calibration windows", unit="win")):
         rows = slice(config.skip_first, None, config.stride)
@@ -158,16 +172,27 @@ def content_features(cache: KVCache, spec: ModelSpec, rows: slice) -> dict[str, 
 
 
 def fit_from_statistics(
-    split: PairStatistics, config: CalibrationConfig, recipe: dict | None = None, capture_seconds: float = 0.0
+    split: PairStatistics,
+    config: CalibrationConfig,
+    recipe: dict | None = None,
+    capture_seconds: float = 0.0,
 ) -> tuple[KVMapper, FitReport]:
     """Select source layers, choose k on the held-out moments, and fit the final maps on all."""
     started = time.perf_counter()
     source, target = split.source, split.target
-    geo = Geometry(source.num_layers, source.kv_width, target.num_layers, target.kv_width, target.head_dim)
+    geo = Geometry(
+        source.num_layers, source.kv_width, target.num_layers, target.kv_width, target.head_dim
+    )
     scores = probe_scores(split.train, geo, config.ridge)
-    ks = candidate_ks(source.num_layers) if config.top_k == "auto" else sorted({1, int(config.top_k)})
+    ks = (
+        candidate_ks(source.num_layers)
+        if config.top_k == "auto"
+        else sorted({1, int(config.top_k)})
+    )
     per_k, per_layer = {}, {}
-    for k in tqdm(ks, desc=f"choosing k ({source.num_layers}->{target.num_layers} layers)", unit="k"):
+    for k in tqdm(
+        ks, desc=f"choosing k ({source.num_layers}->{target.num_layers} layers)", unit="k"
+    ):
         r2 = heldout_r2(split.train, split.heldout, top_k_selection(scores, k), geo, config.ridge)
         per_k[k] = {kind: r2[kind].mean().item() for kind in KINDS}
         per_layer[k] = r2
@@ -181,9 +206,19 @@ def fit_from_statistics(
         train_tokens=split.train["k"].n, heldout_tokens=split.heldout["k"].n,
         capture_seconds=capture_seconds, solve_seconds=time.perf_counter() - started,
     )  # fmt: skip
-    info = {"calibration": recipe or {}, "metrics": {key: v for key, v in report.summary().items() if v is not None}}
+    info = {
+        "calibration": recipe or {},
+        "metrics": {key: v for key, v in report.summary().items() if v is not None},
+    }
     mapper = KVMapper(source, target, selection, maps, config.ridge, config.sink_tokens, info)
-    log.info("fitted %s -> %s: k=%d, held-out R2 K %.3f V %.3f", source.model_id, target.model_id, chosen, per_k[chosen]["k"], per_k[chosen]["v"])
+    log.info(
+        "fitted %s -> %s: k=%d, held-out R2 K %.3f V %.3f",
+        source.model_id,
+        target.model_id,
+        chosen,
+        per_k[chosen]["k"],
+        per_k[chosen]["v"],
+    )
     return mapper, report
 
 
@@ -200,7 +235,16 @@ def _choose_k(per_k: dict[int, dict[str, float]], config: CalibrationConfig) -> 
 
 
 def _recipe(config: CalibrationConfig) -> dict[str, Any]:
-    keys = ("window", "skip_first", "stride", "heldout_every", "ridge", "top_k", "k_tolerance", "per_file_tokens")
+    keys = (
+        "window",
+        "skip_first",
+        "stride",
+        "heldout_every",
+        "ridge",
+        "top_k",
+        "k_tolerance",
+        "per_file_tokens",
+    )
     return {key: getattr(config, key) for key in keys}
 
 

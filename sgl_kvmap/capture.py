@@ -21,7 +21,10 @@ _capture_state = threading.local()
 
 @dataclass
 class KVCache:
-    """A single sequence's KV cache. keys/values: L x [tokens, kv_heads, head_dim]; positions: [tokens]."""
+    """One sequence's KV cache.
+
+    keys/values: L x [tokens, kv_heads, head_dim] (keys post-RoPE); positions: [tokens].
+    """
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
@@ -51,7 +54,10 @@ class KVCache:
         """As a transformers DynamicCache (batch of one)."""
         from transformers import DynamicCache
 
-        pairs = [(k.transpose(0, 1)[None], v.transpose(0, 1)[None]) for k, v in zip(self.keys, self.values)]
+        pairs = [
+            (k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+            for k, v in zip(self.keys, self.values)
+        ]
         return DynamicCache(ddp_cache_data=pairs)
 
 
@@ -72,7 +78,9 @@ class LoadedModel:
     spec: ModelSpec
 
 
-def load_model(path: str, revision: str | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load_model(
+    path: str, revision: str | None = None, dtype: torch.dtype = torch.float32
+) -> LoadedModel:
     """Load a causal LM + tokenizer (folder or Hub id) for inference and describe it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -98,7 +106,9 @@ def run(
     memory for long inputs by prefilling in pieces (the result is the same).
     """
     if input_ids.ndim != 1 or input_ids.numel() == 0:
-        raise ValueError(f"input_ids must be a non-empty 1-D tensor, got shape {tuple(input_ids.shape)}")
+        raise ValueError(
+            f"input_ids must be a non-empty 1-D tensor, got shape {tuple(input_ids.shape)}"
+        )
     chunks = input_ids.split(chunk_size or input_ids.numel())
     logits, queries = [], []
     cache = past
@@ -116,7 +126,9 @@ def run(
     )
 
 
-def capture_kv(model: torch.nn.Module, input_ids: torch.Tensor, chunk_size: int | None = None) -> KVCache:
+def capture_kv(
+    model: torch.nn.Module, input_ids: torch.Tensor, chunk_size: int | None = None
+) -> KVCache:
     """Post-RoPE K, V of every layer for ``input_ids: [tokens]`` at positions 0..tokens-1."""
     return run(model, input_ids, chunk_size=chunk_size).cache
 

@@ -24,26 +24,80 @@ def _top_k(value: str) -> int | str:
 @click.option("-v", "--verbose", is_flag=True, help="Log progress details.")
 def main(verbose: bool) -> None:
     """Cross-model KV cache transfer: fit, evaluate and inspect mapper packs."""
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
 
 
 @main.command()
 @click.argument("source")
 @click.argument("target")
-@click.option("--out", "out", required=True, type=click.Path(file_okay=False, path_type=Path), help="Pack folder to write.")
-@click.option("--calibration", multiple=True, type=click.Path(exists=True), help="Text file or folder (repeatable). Default: Python stdlib sources.")
-@click.option("--tokens", default=CalibrationConfig.tokens, show_default=True, help="Calibration tokens (train + held-out).")
-@click.option("--window", default=CalibrationConfig.window, show_default=True, help="Tokens per calibration forward.")
-@click.option("--top-k", "top_k", default="auto", show_default=True, help="Source layers per target layer, or 'auto' (chosen on held-out calibration tokens).")
-@click.option("--ridge", default=CalibrationConfig.ridge, show_default=True, help="Ridge lambda on the un-normalised Gram.")
-@click.option("--sink-tokens", default=CalibrationConfig.sink_tokens, show_default=True, help="Leading tokens the target computes itself.")
-@click.option("--stride", default=CalibrationConfig.stride, show_default=True, help="Keep every n-th calibration token.")
-def fit(source, target, out, calibration, tokens, window, top_k, ridge, sink_tokens, stride) -> None:
+@click.option(
+    "--out",
+    "out",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Pack folder to write.",
+)
+@click.option(
+    "--calibration",
+    multiple=True,
+    type=click.Path(exists=True),
+    help="Text file or folder (repeatable). Default: Python stdlib sources.",
+)
+@click.option(
+    "--tokens",
+    default=CalibrationConfig.tokens,
+    show_default=True,
+    help="Calibration tokens (train + held-out).",
+)
+@click.option(
+    "--window",
+    default=CalibrationConfig.window,
+    show_default=True,
+    help="Tokens per calibration forward.",
+)
+@click.option(
+    "--top-k",
+    "top_k",
+    default="auto",
+    show_default=True,
+    help="Source layers per target layer, or 'auto' (chosen on held-out calibration tokens).",
+)
+@click.option(
+    "--ridge",
+    default=CalibrationConfig.ridge,
+    show_default=True,
+    help="Ridge lambda on the un-normalised Gram.",
+)
+@click.option(
+    "--sink-tokens",
+    default=CalibrationConfig.sink_tokens,
+    show_default=True,
+    help="Leading tokens the target computes itself.",
+)
+@click.option(
+    "--stride",
+    default=CalibrationConfig.stride,
+    show_default=True,
+    help="Keep every n-th calibration token.",
+)
+def fit(
+    source, target, out, calibration, tokens, window, top_k, ridge, sink_tokens, stride
+) -> None:
     """Fit a SOURCE -> TARGET mapper (anything transformers loads) and save it as a pack."""
     from .calibrate import fit_mapper
 
-    config = CalibrationConfig(tokens=tokens, window=window, top_k=_top_k(top_k), ridge=ridge, sink_tokens=sink_tokens, stride=stride)
-    (mapper, report), = fit_mapper(source, target, list(calibration) or None, config)
+    config = CalibrationConfig(
+        tokens=tokens,
+        window=window,
+        top_k=_top_k(top_k),
+        ridge=ridge,
+        sink_tokens=sink_tokens,
+        stride=stride,
+    )
+    ((mapper, report),) = fit_mapper(source, target, list(calibration) or None, config)
     mapper.save_pretrained(out)
     click.echo(json.dumps(report.summary(), indent=2))
     click.echo(f"pack written to {out}")
@@ -51,15 +105,39 @@ def fit(source, target, out, calibration, tokens, window, top_k, ridge, sink_tok
 
 @main.command(name="eval")
 @click.argument("pack", type=click.Path(exists=True, file_okay=False))
-@click.option("--texts", multiple=True, type=click.Path(exists=True), help="Held-out text file or folder (repeatable). Default: third-party sources + licence texts.")
+@click.option(
+    "--texts",
+    multiple=True,
+    type=click.Path(exists=True),
+    help="Held-out text file or folder (repeatable). Default: third-party sources + licence texts.",
+)
 @click.option("--prefix-len", default=1024, show_default=True)
 @click.option("--continuation", default=64, show_default=True)
-@click.option("--tail", default=32, show_default=True, help="Prompt tokens recomputed by the target besides the last one.")
-@click.option("--windows", default=8, show_default=True, help="Evaluation windows (one per text file).")
-@click.option("--source", "source_path", default=None, help="Source model (default: the path recorded in the pack).")
-@click.option("--target", "target_path", default=None, help="Target model (default: the path recorded in the pack).")
+@click.option(
+    "--tail",
+    default=32,
+    show_default=True,
+    help="Prompt tokens recomputed by the target besides the last one.",
+)
+@click.option(
+    "--windows", default=8, show_default=True, help="Evaluation windows (one per text file)."
+)
+@click.option(
+    "--source",
+    "source_path",
+    default=None,
+    help="Source model (default: the path recorded in the pack).",
+)
+@click.option(
+    "--target",
+    "target_path",
+    default=None,
+    help="Target model (default: the path recorded in the pack).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def eval_(pack, texts, prefix_len, continuation, tail, windows, source_path, target_path, as_json) -> None:
+def eval_(
+    pack, texts, prefix_len, continuation, tail, windows, source_path, target_path, as_json
+) -> None:
     """Measure a pack's fidelity on held-out text, beside target, source and no-prefix baselines."""
     from .capture import load_model
     from .evaluate import evaluate
@@ -83,27 +161,64 @@ def inspect(pack) -> None:
 
     mapper = KVMapper.from_pretrained(pack)
     s, t = mapper.source, mapper.target
-    click.echo(f"source  {s.model_id}  layers {s.num_layers}  kv {s.num_kv_heads}x{s.head_dim}  fingerprint {s.fingerprint[:16]}")
-    click.echo(f"target  {t.model_id}  layers {t.num_layers}  kv {t.num_kv_heads}x{t.head_dim}  fingerprint {t.fingerprint[:16]}")
+    click.echo(
+        f"source  {s.model_id}  layers {s.num_layers}  kv {s.num_kv_heads}x{s.head_dim}  "
+        f"fingerprint {s.fingerprint[:16]}"
+    )
+    click.echo(
+        f"target  {t.model_id}  layers {t.num_layers}  kv {t.num_kv_heads}x{t.head_dim}  "
+        f"fingerprint {t.fingerprint[:16]}"
+    )
     click.echo(f"k {mapper.k}  ridge {mapper.ridge}  sink tokens {mapper.sink_tokens}")
     click.echo("calibration " + json.dumps(mapper.info.get("calibration", {}), sort_keys=True))
     for key, value in sorted(mapper.info.get("metrics", {}).items()):
-        click.echo(f"  {key:<32} {value:.4f}" if isinstance(value, float) else f"  {key:<32} {value}")
+        click.echo(
+            f"  {key:<32} {value:.4f}" if isinstance(value, float) else f"  {key:<32} {value}"
+        )
 
 
 @main.command()
-@click.option("--tokens", default=16384, show_default=True, help="Calibration tokens (both directions share them).")
+@click.option(
+    "--tokens",
+    default=16384,
+    show_default=True,
+    help="Calibration tokens (both directions share them).",
+)
 @click.option("--windows", default=8, show_default=True, help="Evaluation windows per direction.")
 @click.option("--prefix-len", default=1024, show_default=True)
 @click.option("--continuation", default=64, show_default=True)
 @click.option("--tail", default=32, show_default=True)
-@click.option("--bench-tokens", default=2048, show_default=True, help="Prefix length for the speed comparison.")
-@click.option("--out", default="kvmap-demo", show_default=True, type=click.Path(file_okay=False, path_type=Path), help="Folder for the two packs and results.json.")
+@click.option(
+    "--bench-tokens",
+    default=2048,
+    show_default=True,
+    help="Prefix length for the speed comparison.",
+)
+@click.option(
+    "--out",
+    default="kvmap-demo",
+    show_default=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Folder for the two packs and results.json.",
+)
 def demo(tokens, windows, prefix_len, continuation, tail, bench_tokens, out) -> None:
-    """The whole job on the embedded Qwen2.5-Coder 0.5B/1.5B pair: fetch, fit both ways, evaluate, time."""
+    """The whole job on the embedded Qwen2.5-Coder 0.5B/1.5B pair.
+
+    Fetch and convert the pair once, fit both directions, evaluate, time, print one table.
+    """
     from .demo import run_demo
 
-    click.echo(run_demo(out, tokens=tokens, windows=windows, prefix_len=prefix_len, continuation=continuation, tail=tail, bench_tokens=bench_tokens))
+    click.echo(
+        run_demo(
+            out,
+            tokens=tokens,
+            windows=windows,
+            prefix_len=prefix_len,
+            continuation=continuation,
+            tail=tail,
+            bench_tokens=bench_tokens,
+        )
+    )
 
 
 if __name__ == "__main__":

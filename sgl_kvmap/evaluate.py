@@ -77,12 +77,25 @@ class EvalReport:
     def summary(self) -> dict[str, float]:
         """Flat scalar metrics, as recorded in a pack."""
         d = self.to_dict()
-        keys = ("retention", "retention_tail", "gap_closed", "gap_closed_tail", "mean_r2_k", "mean_r2_v", "mean_attention_cosine")
+        keys = (
+            "retention",
+            "retention_tail",
+            "gap_closed",
+            "gap_closed_tail",
+            "mean_r2_k",
+            "mean_r2_v",
+            "mean_attention_cosine",
+        )
         out = {f"eval_{k}": d[k] for k in keys if d[k] is not None}
         for name in ("reference", "mapped", "mapped_tail", "source", "no_prefix"):
             out[f"eval_{name}_accuracy"] = d[name]["accuracy"]
             out[f"eval_{name}_nll"] = d[name]["nll"]
-        out.update(eval_windows=self.windows, eval_prefix_len=self.prefix_len, eval_continuation=self.continuation, eval_tail=self.tail)
+        out.update(
+            eval_windows=self.windows,
+            eval_prefix_len=self.prefix_len,
+            eval_continuation=self.continuation,
+            eval_tail=self.tail,
+        )
         return out
 
     def table(self) -> str:
@@ -90,21 +103,36 @@ class EvalReport:
         rows = [
             ("target, own cache (reference)", self.reference, _pct(1.0), ""),
             ("target, translated cache", self.mapped, _pct(self.retention), _pct(self.gap_closed)),
-            (f"target, translated + {self.tail}-token tail", self.mapped_tail, _pct(self.retention_tail), _pct(self.gap_closed_tail)),
+            (
+                f"target, translated + {self.tail}-token tail",
+                self.mapped_tail,
+                _pct(self.retention_tail),
+                _pct(self.gap_closed_tail),
+            ),
             ("source model alone", self.source, _pct(_ratio(self.source, self.reference)), ""),
             ("target, no prefix", self.no_prefix, _pct(_ratio(self.no_prefix, self.reference)), ""),
         ]
         lines = [
-            f"{self.windows} windows, prefix {self.prefix_len}, continuation {self.continuation}, sink tokens {self.sink_tokens}",
+            f"{self.windows} windows, prefix {self.prefix_len}, continuation {self.continuation}, "
+            f"sink tokens {self.sink_tokens}",
             f"{'condition':<40} {'top-1 acc':>9} {'NLL':>7} {'retention':>9} {'gap closed':>10}",
         ]
-        lines += [f"{name:<40} {q.accuracy:>9.3f} {q.nll:>7.3f} {ret:>9} {gap:>10}" for name, q, ret, gap in rows]
+        lines += [
+            f"{name:<40} {q.accuracy:>9.3f} {q.nll:>7.3f} {ret:>9} {gap:>10}"
+            for name, q, ret, gap in rows
+        ]
         lines.append(
-            f"translated KV vs true (mean over layers): R2 K {_mean(self.r2_k):.3f}  R2 V {_mean(self.r2_v):.3f}  "
+            f"translated KV vs true (mean over layers): R2 K {_mean(self.r2_k):.3f}  "
+            f"R2 V {_mean(self.r2_v):.3f}  "
             f"attention-output cosine {_mean(self.attention_cosine):.3f}"
         )
-        worst = sorted(range(len(self.attention_cosine)), key=lambda i: self.attention_cosine[i])[:3]
-        lines.append("lowest attention cosine: " + ", ".join(f"layer {i} {self.attention_cosine[i]:.3f}" for i in worst))
+        worst = sorted(range(len(self.attention_cosine)), key=lambda i: self.attention_cosine[i])[
+            :3
+        ]
+        lines.append(
+            "lowest attention cosine: "
+            + ", ".join(f"layer {i} {self.attention_cosine[i]:.3f}" for i in worst)
+        )
         return "\n".join(lines)
 
 
@@ -122,7 +150,9 @@ class _Accumulator:
 
     def add_quality(self, name: str, logits: torch.Tensor, labels: torch.Tensor) -> None:
         self.correct[name] = self.correct.get(name, 0) + (logits.argmax(-1) == labels).sum().item()
-        self.nll[name] = self.nll.get(name, 0.0) + F.cross_entropy(logits, labels, reduction="sum").item()
+        self.nll[name] = (
+            self.nll.get(name, 0.0) + F.cross_entropy(logits, labels, reduction="sum").item()
+        )
 
     def quality(self, name: str) -> Quality:
         return Quality(self.correct[name] / self.count, self.nll[name] / self.count)
@@ -141,14 +171,18 @@ def evaluate(
     check_models(mapper, source.spec, target.spec)
     acc = _Accumulator()
     for window in tqdm(windows, desc="evaluating", unit="win"):
-        _evaluate_window(mapper, source, target, window[: prefix_len + continuation], prefix_len, tail, acc)
+        _evaluate_window(
+            mapper, source, target, window[: prefix_len + continuation], prefix_len, tail, acc
+        )
     per_head_r2 = {kind: 1 - acc.sse[kind] / acc.sst[kind] for kind in ("k", "v")}
     return EvalReport(
-        reference=acc.quality("reference"), mapped=acc.quality("mapped"), mapped_tail=acc.quality("mapped_tail"),
+        reference=acc.quality("reference"), mapped=acc.quality("mapped"),
+        mapped_tail=acc.quality("mapped_tail"),
         source=acc.quality("source"), no_prefix=acc.quality("no_prefix"),
         r2_k=per_head_r2["k"].mean(1).tolist(), r2_v=per_head_r2["v"].mean(1).tolist(),
         attention_cosine=(acc.cosine / acc.windows).tolist(),
-        windows=acc.windows, prefix_len=prefix_len, continuation=continuation, tail=tail, sink_tokens=mapper.sink_tokens,
+        windows=acc.windows, prefix_len=prefix_len, continuation=continuation, tail=tail,
+        sink_tokens=mapper.sink_tokens,
     )  # fmt: skip
 
 
@@ -164,7 +198,9 @@ def _evaluate_window(mapper, source, target, window, prefix_len, tail, acc: _Acc
     acc.add_quality("no_prefix", none.logits[:-1], labels)
     for name, t in (("mapped", 0), ("mapped_tail", tail)):
         split = handoff_split(prefix_len, t)
-        translated = translate_prefix(mapper, src.cache.slice(0, split), window[:split], target.model)
+        translated = translate_prefix(
+            mapper, src.cache.slice(0, split), window[:split], target.model
+        )
         out = run(target.model, window[split:], past=translated, logits_to_keep=keep)
         acc.add_quality(name, out.logits[:-1], labels)
         if t == 0:
@@ -173,18 +209,25 @@ def _evaluate_window(mapper, source, target, window, prefix_len, tail, acc: _Acc
     acc.windows += 1
 
 
-def _add_layer_fidelity(acc: _Accumulator, translated: KVCache, truth, target: LoadedModel, sinks: int, prefix_len: int):
+def _add_layer_fidelity(
+    acc: _Accumulator, translated: KVCache, truth, target: LoadedModel, sinks: int, prefix_len: int
+):
     spec = target.spec
     true_prefix = truth.cache.slice(sinks, len(translated))
     mapped = translated.slice(sinks)
     tables = tables_for_spec(spec, mapped.positions)
     pairs = {
-        "k": [(unrope(m, tables, spec.rope_style), unrope(t, tables, spec.rope_style)) for m, t in zip(mapped.keys, true_prefix.keys)],
+        "k": [
+            (unrope(m, tables, spec.rope_style), unrope(t, tables, spec.rope_style))
+            for m, t in zip(mapped.keys, true_prefix.keys)
+        ],
         "v": list(zip(mapped.values, true_prefix.values)),
     }
     for kind, layers in pairs.items():
         sse = torch.stack([(m - t).double().square().sum((0, 2)) for m, t in layers])  # [L, heads]
-        sst = torch.stack([(t.double() - t.double().mean(0)).square().sum((0, 2)) for _, t in layers])
+        sst = torch.stack(
+            [(t.double() - t.double().mean(0)).square().sum((0, 2)) for _, t in layers]
+        )
         acc.sse[kind] = acc.sse.get(kind, 0) + sse
         acc.sst[kind] = acc.sst.get(kind, 0) + sst
     cos = torch.tensor([
@@ -213,12 +256,18 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
     k, v = k.repeat_interleave(groups, 1).float(), v.repeat_interleave(groups, 1).float()
     n, total = q.shape[0], k.shape[0]
     mask = torch.ones(n, total, dtype=torch.bool).tril(total - n)
-    return F.scaled_dot_product_attention(q.float().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask).transpose(0, 1)
+    return F.scaled_dot_product_attention(
+        q.float().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask
+    ).transpose(0, 1)
 
 
 def _gap(mapped: Quality, source: Quality, reference: Quality) -> float | None:
     spread = reference.accuracy - source.accuracy
-    return None if math.isclose(spread, 0.0, abs_tol=1e-12) else (mapped.accuracy - source.accuracy) / spread
+    return (
+        None
+        if math.isclose(spread, 0.0, abs_tol=1e-12)
+        else (mapped.accuracy - source.accuracy) / spread
+    )
 
 
 def _ratio(a: Quality, b: Quality) -> float | None:

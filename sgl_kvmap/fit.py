@@ -30,7 +30,9 @@ class Geometry:
     target_head_dim: int
 
     def source_cols(self, layers) -> torch.Tensor:
-        return torch.cat([torch.arange(s * self.source_width, (s + 1) * self.source_width) for s in layers])
+        return torch.cat(
+            [torch.arange(s * self.source_width, (s + 1) * self.source_width) for s in layers]
+        )
 
     def target_cols(self, layer: int) -> torch.Tensor:
         return torch.arange(layer * self.target_width, (layer + 1) * self.target_width)
@@ -99,7 +101,11 @@ def candidate_ks(source_layers: int) -> list[int]:
 
 
 def heldout_r2(
-    train: dict[str, Moments], heldout: dict[str, Moments], selection: list[list[int]], geo: Geometry, ridge: float
+    train: dict[str, Moments],
+    heldout: dict[str, Moments],
+    selection: list[list[int]],
+    geo: Geometry,
+    ridge: float,
 ) -> dict[str, torch.Tensor]:
     """Held-out R^2 per target layer (mean over heads) of maps fitted on ``train``: kind -> [Lt]."""
     out = {}
@@ -114,15 +120,22 @@ def heldout_r2(
     return out
 
 
-def fit_maps(moments: dict[str, Moments], selection: list[list[int]], geo: Geometry, ridge: float) -> dict[str, list[LayerMap]]:
+def fit_maps(
+    moments: dict[str, Moments], selection: list[list[int]], geo: Geometry, ridge: float
+) -> dict[str, list[LayerMap]]:
     """Final float32 maps of every target layer for K and V: kind -> Lt x LayerMap."""
     return {
-        kind: [LayerMap(m.weight.float(), m.bias.float()) for m in _fit_layers(moments[kind], selection, geo, ridge)]
+        kind: [
+            LayerMap(m.weight.float(), m.bias.float())
+            for m in _fit_layers(moments[kind], selection, geo, ridge)
+        ]
         for kind in KINDS
     }
 
 
-def _fit_layers(m: Moments, selection: list[list[int]], geo: Geometry, ridge: float) -> list[LayerMap]:
+def _fit_layers(
+    m: Moments, selection: list[list[int]], geo: Geometry, ridge: float
+) -> list[LayerMap]:
     factors: dict[tuple[int, ...], torch.Tensor] = {}  # layers sharing a selection share one factor
     maps = []
     for layer, sources in enumerate(selection):
@@ -147,7 +160,9 @@ def _cholesky(cxx: torch.Tensor, ridge: float) -> torch.Tensor:
     if info.item() == 0:
         return factor
     if ridge <= 0:
-        raise KVMapError("the calibration Gram is singular; use a positive ridge or more calibration tokens")
+        raise KVMapError(
+            "the calibration Gram is singular; use a positive ridge or more calibration tokens"
+        )
     values, vectors = torch.linalg.eigh(cxx.to(ACC))
     repaired = (vectors * (values.clamp(min=0) + ridge)) @ vectors.T
     return torch.linalg.cholesky((repaired + repaired.T) / 2)

@@ -11,7 +11,7 @@ import torch
 from .capture import KVCache
 from .errors import KVMapError
 from .fit import KINDS, LayerMap
-from .rope import tables_for_spec, rope, unrope
+from .rope import rope, tables_for_spec, unrope
 from .spec import ModelSpec
 
 
@@ -36,6 +36,7 @@ class KVMapper:
 
     def __post_init__(self) -> None:
         self.validate()
+        self._stack_cache: dict = {}
 
     @property
     def k(self) -> int:
@@ -45,7 +46,9 @@ class KVMapper:
     def validate(self) -> None:
         """Check that selection and tensor shapes agree with both specs (raises KVMapError)."""
         if len(self.selection) != self.target.num_layers:
-            raise KVMapError(f"selection has {len(self.selection)} layers, target has {self.target.num_layers}")
+            raise KVMapError(
+                f"selection has {len(self.selection)} layers, target has {self.target.num_layers}"
+            )
         for layer, sources in enumerate(self.selection):
             if not sources or any(not 0 <= s < self.source.num_layers for s in sources):
                 raise KVMapError(f"target layer {layer}: invalid source layers {sources}")
@@ -59,36 +62,66 @@ class KVMapper:
                     )
 
     def map(self, source_cache: KVCache) -> KVCache:
-        """Reference map. source_cache: Ls x [t, kv_s, d_s] post-RoPE -> Lt x [t, kv_t, d_t] post-RoPE.
+        """Reference map: source_cache Ls x [t, kv_s, d_s] -> Lt x [t, kv_t, d_t], both post-RoPE.
 
-        Math in float32; the result has the source cache's dtype and the same positions.
+        Math in float32; the result has the source cache's dtype and the same positions. Target
+        layers that read the same source layers share one feature matrix and one matrix product.
         """
         self._check_source(source_cache)
-        positions = source_cache.positions
-        src_tables, tgt_tables = tables_for_spec(self.source, positions), tables_for_spec(self.target, positions)
-        t = len(source_cache)
+        positions, t = source_cache.positions, len(source_cache)
+        src_tables, tgt_tables = (
+            tables_for_spec(self.source, positions),
+            tables_for_spec(self.target, positions),
+        )
         features = {
-            "k": [unrope(k, src_tables, self.source.rope_style).reshape(t, -1) for k in source_cache.keys],
+            "k": [
+                unrope(k, src_tables, self.source.rope_style).reshape(t, -1)
+                for k in source_cache.keys
+            ],
             "v": [v.float().reshape(t, -1) for v in source_cache.values],
         }
-        shape = (t, self.target.num_kv_heads, self.target.head_dim)
-        keys, values = [], []
-        for layer, sources in enumerate(self.selection):
-            k = self._apply("k", layer, sources, features).reshape(shape)
-            keys.append(rope(k, tgt_tables, self.target.rope_style).to(source_cache.keys[0].dtype))
-            values.append(self._apply("v", layer, sources, features).reshape(shape).to(source_cache.values[0].dtype))
+        mapped = {kind: [None] * self.target.num_layers for kind in KINDS}
+        for sources, layers in self._layer_groups().items():
+            for kind in KINDS:
+                x = torch.cat([features[kind][s] for s in sources], dim=1)
+                weight, bias = self._stacked(kind, layers)
+                for layer, y in zip(
+                    layers, torch.addmm(bias, x, weight).split(self.target.kv_width, dim=1)
+                ):
+                    mapped[kind][layer] = y.reshape(
+                        t, self.target.num_kv_heads, self.target.head_dim
+                    )
+        keys = [
+            rope(k, tgt_tables, self.target.rope_style).to(source_cache.keys[0].dtype)
+            for k in mapped["k"]
+        ]
+        values = [v.to(source_cache.values[0].dtype) for v in mapped["v"]]
         return KVCache(keys, values, positions)
 
-    def _apply(self, kind: str, layer: int, sources: list[int], features) -> torch.Tensor:
-        x = torch.cat([features[kind][s] for s in sources], dim=1)
-        m = self.maps[kind][layer]
-        return torch.addmm(m.bias, x, m.weight)
+    def _layer_groups(self) -> dict[tuple[int, ...], list[int]]:
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for layer, sources in enumerate(self.selection):
+            groups.setdefault(tuple(sources), []).append(layer)
+        return groups
+
+    def _stacked(self, kind: str, layers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weights [k * ws, len(layers) * wt] and biases of target layers that share a selection."""
+        key = (kind, tuple(layers))
+        if key not in self._stack_cache:
+            maps = [self.maps[kind][layer] for layer in layers]
+            self._stack_cache[key] = (
+                torch.cat([m.weight for m in maps], 1),
+                torch.cat([m.bias for m in maps]),
+            )
+        return self._stack_cache[key]
 
     def _check_source(self, cache: KVCache) -> None:
         want = (self.source.num_layers, self.source.num_kv_heads, self.source.head_dim)
         got = (len(cache.keys), *cache.keys[0].shape[1:]) if cache.keys else (0,)
         if got != want:
-            raise KVMapError(f"source cache has (layers, kv_heads, head_dim) {got}, this mapper expects {want}")
+            raise KVMapError(
+                f"source cache has (layers, kv_heads, head_dim) {got}, this mapper expects {want}"
+            )
 
     def save_pretrained(self, folder: str | Path) -> Path:
         """Write the pack folder (mapper.safetensors + kvmap.json + README.md) atomically."""

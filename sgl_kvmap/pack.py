@@ -63,15 +63,22 @@ def load_pack(folder: Path):
     if not tensors_path.is_file():
         raise PackError(f"{folder}: {TENSORS_FILE} is missing; re-download or re-build the pack")
     if _sha256(tensors_path) != config["tensors_sha256"]:
-        raise PackError(f"{folder}: {TENSORS_FILE} does not match the checksum in {CONFIG_FILE} (damaged or edited)")
+        raise PackError(
+            f"{folder}: {TENSORS_FILE} does not match the checksum in {CONFIG_FILE} "
+            "(damaged or edited); re-download or re-build the pack"
+        )
     try:
         tensors = load_file(tensors_path)
         source, target = _spec(config, "source"), _spec(config, "target")
         selection = [list(map(int, s)) for s in config["selection"]]
-        maps = {kind: [_layer_map(tensors, kind, layer) for layer in range(len(selection))] for kind in KINDS}
+        maps = {
+            kind: [_layer_map(tensors, kind, layer) for layer in range(len(selection))]
+            for kind in KINDS
+        }
         mapper = KVMapper(
-            source=source, target=target, selection=selection, maps=maps, ridge=float(config["ridge"]),
-            sink_tokens=int(config["sink_tokens"]), info={k: config.get(k, {}) for k in ("calibration", "metrics")},
+            source=source, target=target, selection=selection, maps=maps,
+            ridge=float(config["ridge"]), sink_tokens=int(config["sink_tokens"]),
+            info={k: config.get(k, {}) for k in ("calibration", "metrics")},
         )  # fmt: skip
     except (KeyError, TypeError, ValueError, SafetensorError) as err:
         raise PackError(f"{folder}: malformed pack ({type(err).__name__}: {err})") from err
@@ -90,7 +97,9 @@ def read_config(folder: Path) -> dict[str, Any]:
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise PackError(f"{path}: not valid JSON ({err})") from err
     if not isinstance(config, dict) or config.get("format") != FORMAT_NAME:
-        raise PackError(f"{path}: not an {FORMAT_NAME} pack (format field {config.get('format')!r})")
+        raise PackError(
+            f"{path}: not an {FORMAT_NAME} pack (format field {config.get('format')!r})"
+        )
     if config.get("format_version") != FORMAT_VERSION:
         raise PackError(
             f"{path}: pack format version {config.get('format_version')!r}; this sgl-kvmap reads "
@@ -101,7 +110,10 @@ def read_config(folder: Path) -> dict[str, Any]:
 
 def check_models(mapper, source: ModelSpec, target: ModelSpec) -> None:
     """Refuse to use ``mapper`` with models other than the ones it was fitted for."""
-    for role, fitted, given in (("source", mapper.source, source), ("target", mapper.target, target)):
+    for role, fitted, given in (
+        ("source", mapper.source, source),
+        ("target", mapper.target, target),
+    ):
         if fitted.fingerprint != given.fingerprint:
             diff = _spec_difference(fitted, given)
             raise PairMismatchError(
@@ -114,33 +126,39 @@ def model_card(config: dict[str, Any]) -> str:
     """A Hub model card (README.md) for a pack, from its kvmap.json."""
     src, tgt = config["source"], config["target"]
     metrics = config.get("metrics", {})
-    rows = "\n".join(f"| {k} | {_fmt(v)} |" for k, v in sorted(metrics.items()) if not isinstance(v, (list, dict)))
+    rows = "\n".join(
+        f"| {k} | {_fmt(v)} |"
+        for k, v in sorted(metrics.items())
+        if not isinstance(v, (list, dict))
+    )
     calib = config.get("calibration", {})
     return f"""---
 library_name: sgl-kvmap
 tags: [kv-cache, sglang, cross-model-kv-transfer]
 ---
-# KV mapper: {src['model_id']} -> {tgt['model_id']}
+# KV mapper: {src["model_id"]} -> {tgt["model_id"]}
 
 Closed-form per-head ridge mapper (RoPE-stripped, cross-layer source selection) that turns
-the KV cache of `{src['model_id']}` into a KV cache for `{tgt['model_id']}`, so the target can
+the KV cache of `{src["model_id"]}` into a KV cache for `{tgt["model_id"]}`, so the target can
 continue a conversation without re-running prefill. Made with sgl-kvmap.
 
 | | source | target |
 | --- | --- | --- |
-| layers | {src['num_layers']} | {tgt['num_layers']} |
-| KV heads x head_dim | {src['num_kv_heads']} x {src['head_dim']} | {tgt['num_kv_heads']} x {tgt['head_dim']} |
-| fingerprint | `{config['source_fingerprint'][:16]}` | `{config['target_fingerprint'][:16]}` |
+| layers | {src["num_layers"]} | {tgt["num_layers"]} |
+| KV heads | {src["num_kv_heads"]} | {tgt["num_kv_heads"]} |
+| head_dim | {src["head_dim"]} | {tgt["head_dim"]} |
+| fingerprint | `{config["source_fingerprint"][:16]}` | `{config["target_fingerprint"][:16]}` |
 
-Source layers per target layer (k): {max(len(s) for s in config['selection'])}; ridge {config['ridge']};
-target-computed sink tokens: {config['sink_tokens']}.
-Calibration: {_fmt(calib.get('tokens', '?'))} tokens from {calib.get('text', '?')}.
+Source layers per target layer (k): {max(len(s) for s in config["selection"])};
+ridge {config["ridge"]};
+target-computed sink tokens: {config["sink_tokens"]}.
+Calibration: {_fmt(calib.get("tokens", "?"))} tokens from {calib.get("text", "?")}.
 
 ## Measured
 
 | metric | value |
 | --- | --- |
-{rows or '| (none recorded) | |'}
+{rows or "| (none recorded) | |"}
 
 ## Use
 
@@ -184,7 +202,9 @@ def _config(mapper, tensors_sha256: str) -> dict[str, Any]:
 def _spec(config: dict[str, Any], role: str) -> ModelSpec:
     spec = ModelSpec.from_dict(config[role])
     if spec.fingerprint != config[f"{role}_fingerprint"]:
-        raise PackError(f"the {role} spec in {CONFIG_FILE} does not match its recorded fingerprint (edited?)")
+        raise PackError(
+            f"the {role} spec in {CONFIG_FILE} does not match its recorded fingerprint (edited?)"
+        )
     return spec
 
 

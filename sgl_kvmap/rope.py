@@ -33,7 +33,9 @@ class RotaryTables(NamedTuple):
 
 def rotary_module(config) -> torch.nn.Module:
     """Instantiate the model family's own rotary embedding module from a text config."""
-    module = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
+    module = importlib.import_module(
+        f"transformers.models.{config.model_type}.modeling_{config.model_type}"
+    )
     classes = [getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding")]
     classes = [c for c in classes if isinstance(c, type) and c.__module__ == module.__name__]
     if len(classes) != 1:
@@ -80,7 +82,9 @@ def unrope(x: torch.Tensor, tables: RotaryTables, style: str) -> torch.Tensor:
     a, b, rest = _split_pairs(x.float(), tables.cos.shape[-1], style)
     cos, sin = tables.cos[:, None, :], tables.sin[:, None, :]
     norm = cos * cos + sin * sin
-    return _join_pairs((a * cos + b * sin) / norm, (b * cos - a * sin) / norm, rest, style).to(x.dtype)
+    return _join_pairs((a * cos + b * sin) / norm, (b * cos - a * sin) / norm, rest, style).to(
+        x.dtype
+    )
 
 
 def _split_pairs(x: torch.Tensor, n_pairs: int, style: str):

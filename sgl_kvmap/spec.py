@@ -54,7 +54,7 @@ class ModelSpec:
 
     @property
     def fingerprint(self) -> str:
-        """sha256 over everything that changes the KV cache: geometry, RoPE, weights id, tokenizer."""
+        """sha256 of what shapes the KV cache: geometry, RoPE, config, tokenizer (not the id)."""
         payload = {k: v for k, v in self.to_dict().items() if k not in ("model_id", "revision")}
         payload["config"] = _cache_relevant_config(self.config)
         return _sha256_json(payload)
@@ -102,7 +102,9 @@ def spec_from_config(config, tokenizer, model_id: str, revision: str | None = No
         num_kv_heads=getattr(text_config, "num_key_value_heads", None) or heads,
         head_dim=head_dim,
         rotary_dim=2 * inv_freq.numel(),
-        rope_style="interleaved" if text_config.model_type in INTERLEAVED_ROPE_MODEL_TYPES else "half",
+        rope_style="interleaved"
+        if text_config.model_type in INTERLEAVED_ROPE_MODEL_TYPES
+        else "half",
         qk_norm=_has_qk_norm(text_config),
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         config=text_config.to_dict(),

@@ -35,7 +35,16 @@ class Moments:
     def empty(cls, shift_x: torch.Tensor, shift_y: torch.Tensor) -> Moments:
         dx, dy = shift_x.numel(), shift_y.numel()
         zeros = lambda *shape: torch.zeros(*shape, dtype=ACC)  # noqa: E731
-        return cls(shift_x.to(ACC), shift_y.to(ACC), 0, zeros(dx), zeros(dy), zeros(dx, dx), zeros(dx, dy), zeros(dy))
+        return cls(
+            shift_x.to(ACC),
+            shift_y.to(ACC),
+            0,
+            zeros(dx),
+            zeros(dy),
+            zeros(dx, dx),
+            zeros(dx, dy),
+            zeros(dy),
+        )
 
     @property
     def mean_x(self) -> torch.Tensor:
@@ -47,8 +56,15 @@ class Moments:
 
     def update(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """Add rows. x: [n, dx], y: [n, dy] (any float dtype; products in float32)."""
-        if x.shape[0] != y.shape[0] or x.shape[1] != self.sum_x.numel() or y.shape[1] != self.sum_y.numel():
-            raise KVMapError(f"moments of width ({self.sum_x.numel()}, {self.sum_y.numel()}) got {tuple(x.shape)}, {tuple(y.shape)}")
+        if (
+            x.shape[0] != y.shape[0]
+            or x.shape[1] != self.sum_x.numel()
+            or y.shape[1] != self.sum_y.numel()
+        ):
+            raise KVMapError(
+                f"moments of width ({self.sum_x.numel()}, {self.sum_y.numel()}) "
+                f"got {tuple(x.shape)}, {tuple(y.shape)}"
+            )
         xs = x.float() - self.shift_x.float()
         ys = y.float() - self.shift_y.float()
         self.n += x.shape[0]
@@ -60,7 +76,9 @@ class Moments:
 
     def merged(self, other: Moments) -> Moments:
         """Moments of the union of both samples (shifts must be equal)."""
-        if not (torch.equal(self.shift_x, other.shift_x) and torch.equal(self.shift_y, other.shift_y)):
+        if not (
+            torch.equal(self.shift_x, other.shift_x) and torch.equal(self.shift_y, other.shift_y)
+        ):
             raise KVMapError("cannot merge moments accumulated with different shifts")
         return Moments(
             self.shift_x, self.shift_y, self.n + other.n,
@@ -84,7 +102,9 @@ class Moments:
         return self.sum_x[x_cols] / self.n
 
 
-def residuals(m: Moments, x_cols: torch.Tensor, y_cols: torch.Tensor, w: torch.Tensor, b: torch.Tensor):
+def residuals(
+    m: Moments, x_cols: torch.Tensor, y_cols: torch.Tensor, w: torch.Tensor, b: torch.Tensor
+):
     """Sum of squared errors and total sum of squares per target column of y = x w + b on ``m``.
 
     w: [len(x_cols), len(y_cols)], b: [len(y_cols)] (in original, unshifted coordinates).
@@ -92,7 +112,12 @@ def residuals(m: Moments, x_cols: torch.Tensor, y_cols: torch.Tensor, w: torch.T
     """
     w, b = w.to(ACC), b.to(ACC)
     b_shifted = m.shift_x[x_cols] @ w + b - m.shift_y[y_cols]
-    xx, xy, sx, sy = _block(m.xx, x_cols, x_cols), _block(m.xy, x_cols, y_cols), m.sum_x[x_cols], m.sum_y[y_cols]
+    xx, xy, sx, sy = (
+        _block(m.xx, x_cols, x_cols),
+        _block(m.xy, x_cols, y_cols),
+        m.sum_x[x_cols],
+        m.sum_y[y_cols],
+    )
     sse = (
         m.yy[y_cols]
         - 2 * (w * xy).sum(0)

@@ -61,7 +61,9 @@ def shuffled(files: Iterable[Path], seed: str = "sgl-kvmap") -> list[Path]:
     return sorted(files, key=key)
 
 
-def calibration_windows(tokenizer, files: list[Path], window: int, max_tokens: int, per_file: int = 2048) -> Iterator[torch.Tensor]:
+def calibration_windows(
+    tokenizer, files: list[Path], window: int, max_tokens: int, per_file: int = 2048
+) -> Iterator[torch.Tensor]:
     """Windows ``[window]`` of token ids from a stream of files (at most ``per_file`` tokens each),
     in shuffled file order, until ``max_tokens`` tokens have been yielded."""
     buffer: list[int] = []
@@ -76,6 +78,11 @@ def calibration_windows(tokenizer, files: list[Path], window: int, max_tokens: i
             return
 
 
+def prompt_of_length(tokenizer, tokens: int) -> torch.Tensor:
+    """A prompt of exactly ``tokens: [tokens]`` ids of real text (stdlib sources), for timing."""
+    return next(calibration_windows(tokenizer, stdlib_files(), tokens, tokens, per_file=tokens))
+
+
 def eval_windows(tokenizer, files: list[Path], length: int, count: int) -> list[torch.Tensor]:
     """Up to ``count`` windows ``[length]``: the opening tokens of distinct long-enough files."""
     windows = []
@@ -86,7 +93,9 @@ def eval_windows(tokenizer, files: list[Path], length: int, count: int) -> list[
         if len(windows) == count:
             break
     if not windows:
-        raise KVMapError(f"no evaluation file has {length} tokens; pass longer texts or a shorter prefix")
+        raise KVMapError(
+            f"no evaluation file has {length} tokens; pass longer texts or a shorter prefix"
+        )
     return windows
 
 

@@ -33,15 +33,29 @@ class SpeedReport:
         return self.prefill_seconds / self.translate_seconds
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "translate_seconds": self.translate_seconds, "speedup": self.speedup}
+        return {
+            **asdict(self),
+            "translate_seconds": self.translate_seconds,
+            "speedup": self.speedup,
+        }
 
 
-def measure_speed(mapper: KVMapper, source: LoadedModel, target: LoadedModel, token_ids: torch.Tensor, repeats: int = 3) -> SpeedReport:
-    """Time ``translate_prefix`` (map + sink forward) vs target prefill of ``token_ids: [tokens]``."""
+def measure_speed(
+    mapper: KVMapper,
+    source: LoadedModel,
+    target: LoadedModel,
+    token_ids: torch.Tensor,
+    repeats: int = 3,
+) -> SpeedReport:
+    """Time translate_prefix (map + sinks) vs target prefill of ``token_ids: [tokens]``."""
     source_cache = capture_kv(source.model, token_ids)
     translate_prefix(mapper, source_cache, token_ids, target.model)  # warm-up
     maps = _timed(lambda: mapper.map(source_cache), repeats)
-    sinks = _timed(lambda: capture_kv(target.model, token_ids[: mapper.sink_tokens]), repeats) if mapper.sink_tokens else 0.0
+    sinks = (
+        _timed(lambda: capture_kv(target.model, token_ids[: mapper.sink_tokens]), repeats)
+        if mapper.sink_tokens
+        else 0.0
+    )
     prefill = _timed(lambda: capture_kv(target.model, token_ids), max(1, repeats - 1))
     return SpeedReport(token_ids.numel(), maps, sinks, prefill, repeats)
 

@@ -15,11 +15,15 @@ from .capture import KVCache, capture_kv
 from .mapper import KVMapper
 
 
-def translate_prefix(mapper: KVMapper, source_cache: KVCache, token_ids: torch.Tensor, target_model) -> KVCache:
+def translate_prefix(
+    mapper: KVMapper, source_cache: KVCache, token_ids: torch.Tensor, target_model
+) -> KVCache:
     """Target cache for ``token_ids: [t]`` from the source's cache of the same tokens (t layers x
     [t, kv_s, d_s]), with the first ``mapper.sink_tokens`` tokens computed by ``target_model``."""
     if len(source_cache) != token_ids.numel():
-        raise ValueError(f"source cache holds {len(source_cache)} tokens, token_ids {token_ids.numel()}")
+        raise ValueError(
+            f"source cache holds {len(source_cache)} tokens, token_ids {token_ids.numel()}"
+        )
     mapped = mapper.map(source_cache)
     sinks = min(mapper.sink_tokens, token_ids.numel())
     if sinks == 0:

@@ -26,13 +26,15 @@ def char_tokenizer(extra: str = ""):
 
 
 def tiny_config(kind: str, layers: int = 3, kv_heads: int = 2, head_dim: int = 16, **extra):
-    """A small config of ``kind``: qwen2, qwen3 (QK-norm), llama3 (scaled RoPE), yarn, glm (partial, interleaved)."""
+    """A small config of ``kind``: qwen2, qwen3 (QK-norm), llama3 (scaled RoPE), yarn,
+    glm (partial rotary, interleaved)."""
     from transformers import GlmConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
     heads = 2 * kv_heads
     common = dict(
-        vocab_size=128, hidden_size=heads * head_dim, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=512,
+        vocab_size=128, hidden_size=heads * head_dim, intermediate_size=64,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=head_dim, max_position_embeddings=512,
         pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )  # fmt: skip
     common.update(extra)
@@ -45,7 +47,12 @@ def tiny_config(kind: str, layers: int = 3, kv_heads: int = 2, head_dim: int = 1
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32}  # fmt: skip
         return LlamaConfig(**common, rope_parameters=rope)
     if kind == "yarn":
-        rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
+        rope = {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
         return LlamaConfig(**common, rope_parameters=rope)
     if kind == "glm":
         return GlmConfig(**common, partial_rotary_factor=0.5)
@@ -58,18 +65,22 @@ def tiny_model(kind: str, seed: int = 0, **kwargs) -> LoadedModel:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(kind, **kwargs)).eval()
     tokenizer = char_tokenizer()
-    return LoadedModel(model, tokenizer, spec_from_config(model.config, tokenizer, model_id=f"tiny-{kind}-{seed}"))
+    return LoadedModel(
+        model, tokenizer, spec_from_config(model.config, tokenizer, model_id=f"tiny-{kind}-{seed}")
+    )
 
 
 @pytest.fixture(scope="session")
 def tiny_pair() -> tuple[LoadedModel, LoadedModel]:
     """Mismatched geometry: source 3 layers x 2 KV heads x 16, target 4 layers x 1 KV head x 32."""
-    return tiny_model("qwen2", seed=1), tiny_model("qwen2", seed=2, layers=4, kv_heads=1, head_dim=32)
+    return tiny_model("qwen2", seed=1), tiny_model(
+        "qwen2", seed=2, layers=4, kv_heads=1, head_dim=32
+    )
 
 
 @pytest.fixture(scope="session")
 def text_dir(tmp_path_factory):
-    """Calibration and evaluation text: this repository's Python sources, as two disjoint folders."""
+    """Calibration and evaluation text: this repository's sources, as two disjoint folders."""
     from pathlib import Path
 
     root = tmp_path_factory.mktemp("texts")

@@ -14,20 +14,27 @@ SMALL = dict(tokens=1024, window=128, heldout_every=4)
 
 def test_fit_both_directions_from_text(tiny_pair, text_dir):
     source, target = tiny_pair
-    results = fit_mapper(source, target, [text_dir / "calib"], CalibrationConfig(**SMALL), both_directions=True)
+    results = fit_mapper(
+        source, target, [text_dir / "calib"], CalibrationConfig(**SMALL), both_directions=True
+    )
     (forward, f_report), (reverse, r_report) = results
     assert (forward.source, forward.target) == (source.spec, target.spec)
     assert (reverse.source, reverse.target) == (target.spec, source.spec)
     assert f_report.train_tokens + f_report.heldout_tokens == 8 * 127  # skip_first=1 per window
     assert f_report.heldout_tokens == 2 * 127
     assert set(f_report.per_k) == {1, 2, 3} and f_report.chosen_k in f_report.per_k
-    assert forward.info["calibration"]["tokens"] == 1024 and forward.info["metrics"]["k"] == f_report.chosen_k
+    assert (
+        forward.info["calibration"]["tokens"] == 1024
+        and forward.info["metrics"]["k"] == f_report.chosen_k
+    )
 
 
 def test_pairs_with_different_tokenizers_are_refused(tiny_pair):
     source = tiny_pair[0]
     other_tok = char_tokenizer(extra="§")
-    other = LoadedModel(source.model, other_tok, spec_from_config(source.model.config, other_tok, "other"))
+    other = LoadedModel(
+        source.model, other_tok, spec_from_config(source.model.config, other_tok, "other")
+    )
     with pytest.raises(PairMismatchError, match="different tokenizers"):
         fit_mapper(source, other, config=CalibrationConfig(**SMALL))
 
@@ -42,7 +49,12 @@ def test_config_validation():
 def test_self_map_evaluates_as_lossless(text_dir):
     """Mapping a model onto itself: the translated cache must behave like the true one."""
     model = tiny_model("llama3", seed=5)
-    (mapper, _), = fit_mapper(model, model, [text_dir / "calib"], CalibrationConfig(**SMALL, top_k=1, ridge=1e-6, sink_tokens=0))
+    ((mapper, _),) = fit_mapper(
+        model,
+        model,
+        [text_dir / "calib"],
+        CalibrationConfig(**SMALL, top_k=1, ridge=1e-6, sink_tokens=0),
+    )
     windows = eval_windows(model.tokenizer, expand_paths([text_dir / "eval"]), 96, 2)
     report = evaluate(mapper, model, model, windows, prefix_len=64, continuation=32, tail=4)
     assert report.mapped.accuracy == pytest.approx(report.reference.accuracy)
@@ -55,7 +67,7 @@ def test_self_map_evaluates_as_lossless(text_dir):
 
 def test_evaluation_baselines_match_direct_runs(tiny_pair, text_dir):
     source, target = tiny_pair
-    (mapper, _), = fit_mapper(source, target, [text_dir / "calib"], CalibrationConfig(**SMALL))
+    ((mapper, _),) = fit_mapper(source, target, [text_dir / "calib"], CalibrationConfig(**SMALL))
     windows = eval_windows(target.tokenizer, expand_paths([text_dir / "eval"]), 80, 1)
     report = evaluate(mapper, source, target, windows, prefix_len=48, continuation=32, tail=8)
     w = windows[0]
@@ -63,6 +75,8 @@ def test_evaluation_baselines_match_direct_runs(tiny_pair, text_dir):
     acc = (direct.argmax(-1) == w[48:]).float().mean().item()
     assert report.reference.accuracy == pytest.approx(acc)
     none = run(target.model, w[47:], logits_to_keep=33).logits[:-1]
-    assert report.no_prefix.nll == pytest.approx(torch.nn.functional.cross_entropy(none, w[48:]).item(), rel=1e-5)
+    assert report.no_prefix.nll == pytest.approx(
+        torch.nn.functional.cross_entropy(none, w[48:]).item(), rel=1e-5
+    )
     assert len(report.r2_k) == target.spec.num_layers == len(report.attention_cosine)
     assert "target, translated + 8-token tail" in report.table()

@@ -17,7 +17,20 @@ def model_dirs(tiny_pair, tmp_path_factory):
 @pytest.fixture(scope="module")
 def fitted_pack(model_dirs, text_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("packs") / "pack"
-    args = ["fit", *model_dirs, "--out", str(out), "--calibration", str(text_dir / "calib"), "--tokens", "1024", "--window", "128", "--top-k", "2"]
+    args = [
+        "fit",
+        *model_dirs,
+        "--out",
+        str(out),
+        "--calibration",
+        str(text_dir / "calib"),
+        "--tokens",
+        "1024",
+        "--window",
+        "128",
+        "--top-k",
+        "2",
+    ]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     return out, result.stdout
@@ -37,11 +50,27 @@ def test_inspect_shows_the_pair(fitted_pack, model_dirs):
 
 
 def test_eval_json_has_every_baseline(fitted_pack, text_dir):
-    args = ["eval", str(fitted_pack[0]), "--texts", str(text_dir / "eval"), "--prefix-len", "48", "--continuation", "16", "--tail", "4", "--windows", "2", "--json"]
+    args = [
+        "eval",
+        str(fitted_pack[0]),
+        "--texts",
+        str(text_dir / "eval"),
+        "--prefix-len",
+        "48",
+        "--continuation",
+        "16",
+        "--tail",
+        "4",
+        "--windows",
+        "2",
+        "--json",
+    ]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
-    assert {"reference", "mapped", "mapped_tail", "source", "no_prefix", "attention_cosine"} <= set(report)
+    assert {"reference", "mapped", "mapped_tail", "source", "no_prefix", "attention_cosine"} <= set(
+        report
+    )
     assert report["windows"] == 2 and report["tail"] == 4
 
 
@@ -57,5 +86,7 @@ def test_a_damaged_pack_fails_with_the_reason(fitted_pack, tmp_path):
 
 
 def test_bad_top_k_is_a_usage_error(model_dirs, tmp_path):
-    result = CliRunner().invoke(main, ["fit", *model_dirs, "--out", str(tmp_path / "p"), "--top-k", "lots"])
+    result = CliRunner().invoke(
+        main, ["fit", *model_dirs, "--out", str(tmp_path / "p"), "--top-k", "lots"]
+    )
     assert result.exit_code == 2 and "auto" in result.output

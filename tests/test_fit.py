@@ -1,6 +1,14 @@
 import torch
 
-from sgl_kvmap.fit import Geometry, candidate_ks, fit_affine, probe_scores, r2_by_head, ridge_solve, top_k_selection
+from sgl_kvmap.fit import (
+    Geometry,
+    candidate_ks,
+    fit_affine,
+    probe_scores,
+    r2_by_head,
+    ridge_solve,
+    top_k_selection,
+)
 from sgl_kvmap.stats import Moments, residuals
 
 
@@ -12,7 +20,10 @@ def moments_of(x, y, batches=3):
 
 
 def test_streaming_moments_equal_batch_statistics():
-    x, y = torch.randn(300, 6) * 5 + 40, torch.randn(300, 4) - 7  # large means, as with sink outliers
+    x, y = (
+        torch.randn(300, 6) * 5 + 40,
+        torch.randn(300, 4) - 7,
+    )  # large means, as with sink outliers
     m = moments_of(x, y, batches=7)
     cxx, cxy = m.centered_gram(torch.arange(6)), m.centered_cross(torch.arange(6), torch.arange(4))
     xc, yc = (x - x.mean(0)).double(), (y - y.mean(0)).double()
@@ -54,13 +65,18 @@ def test_residuals_match_direct_computation_on_other_data():
     sse, sst = residuals(m, torch.arange(5), torch.arange(3), w, b)
     pred = x.double() @ w + b
     torch.testing.assert_close(sse, (y.double() - pred).square().sum(0), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(sst, (y.double() - y.double().mean(0)).square().sum(0), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        sst, (y.double() - y.double().mean(0)).square().sum(0), rtol=1e-6, atol=1e-6
+    )
 
 
 def test_probe_scores_find_the_informative_source_layer():
     n, ws, wt = 400, 4, 6
     source = torch.randn(n, 3 * ws)  # 3 source layers
-    target_layers = [source[:, 2 * ws : 3 * ws] @ torch.randn(ws, wt), source[:, 0:ws] @ torch.randn(ws, wt)]
+    target_layers = [
+        source[:, 2 * ws : 3 * ws] @ torch.randn(ws, wt),
+        source[:, 0:ws] @ torch.randn(ws, wt),
+    ]
     y = torch.cat(target_layers, 1) + 0.01 * torch.randn(n, 2 * wt)
     train = {kind: moments_of(source, y) for kind in ("k", "v")}
     geo = Geometry(3, ws, 2, wt, target_head_dim=3)
@@ -83,5 +99,7 @@ def test_singular_gram_still_solves_as_ridge():
     gram = xc.T @ xc - 0.2 * null @ null.T  # indefinite there, as float32 sums can leave it
     y = torch.randn(5, 2).double()
     w = ridge_solve(gram, xc.T @ (y - y.mean(0)), 0.1)
-    direct = torch.linalg.solve(xc.T @ xc + 0.1 * torch.eye(12, dtype=torch.float64), xc.T @ (y - y.mean(0)))
+    direct = torch.linalg.solve(
+        xc.T @ xc + 0.1 * torch.eye(12, dtype=torch.float64), xc.T @ (y - y.mean(0))
+    )
     torch.testing.assert_close(w, direct, rtol=1e-5, atol=1e-6)

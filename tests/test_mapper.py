@@ -3,12 +3,15 @@
 import pytest
 import torch
 
-from sgl_kvmap.calibrate import CalibrationConfig, PairStatistics, content_features, fit_from_statistics
+from sgl_kvmap.calibrate import (
+    CalibrationConfig,
+    PairStatistics,
+    content_features,
+    fit_from_statistics,
+)
 from sgl_kvmap.capture import KVCache, capture_kv
 from sgl_kvmap.errors import KVMapError
 from sgl_kvmap.rope import rope, tables_for_spec, unrope
-
-from .conftest import tiny_model
 
 # target layer -> source layers it is built from (3 source layers, 4 target layers)
 TRUE_SOURCES = [[0], [0, 2], [1], [1, 2]]
@@ -17,9 +20,14 @@ TRUE_SOURCES = [[0], [0, 2], [1], [1, 2]]
 def synthetic_target_cache(source_cache: KVCache, source_spec, target_spec, weights) -> KVCache:
     """Target post-RoPE K/V that are exact affine maps of the source's content-space K/V."""
     t = len(source_cache)
-    src_tables, tgt_tables = tables_for_spec(source_spec, source_cache.positions), tables_for_spec(target_spec, source_cache.positions)
+    src_tables, tgt_tables = (
+        tables_for_spec(source_spec, source_cache.positions),
+        tables_for_spec(target_spec, source_cache.positions),
+    )
     content = {
-        "k": [unrope(k, src_tables, source_spec.rope_style).reshape(t, -1) for k in source_cache.keys],
+        "k": [
+            unrope(k, src_tables, source_spec.rope_style).reshape(t, -1) for k in source_cache.keys
+        ],
         "v": [v.reshape(t, -1) for v in source_cache.values],
     }
     shape = (t, target_spec.num_kv_heads, target_spec.head_dim)
@@ -37,12 +45,19 @@ def exact_problem(tiny_pair):
     source, target = tiny_pair
     torch.manual_seed(0)
     ws, wt = source.spec.kv_width, target.spec.kv_width
-    weights = {kind: [(torch.randn(len(s) * ws, wt) / ws**0.5, torch.randn(wt)) for s in TRUE_SOURCES] for kind in ("k", "v")}
+    weights = {
+        kind: [(torch.randn(len(s) * ws, wt) / ws**0.5, torch.randn(wt)) for s in TRUE_SOURCES]
+        for kind in ("k", "v")
+    }
     stats = PairStatistics(source.spec, target.spec)
     for i in range(6):
         src = capture_kv(source.model, torch.randint(0, 100, (64,)))
         tgt = synthetic_target_cache(src, source.spec, target.spec, weights)
-        stats.update(content_features(src, source.spec, slice(1, None)), content_features(tgt, target.spec, slice(1, None)), held_out=i == 5)
+        stats.update(
+            content_features(src, source.spec, slice(1, None)),
+            content_features(tgt, target.spec, slice(1, None)),
+            held_out=i == 5,
+        )
     return source, target, weights, stats
 
 
@@ -79,7 +94,9 @@ def test_mapping_between_a_model_and_itself_is_near_exact(tiny_pair):
     model = tiny_pair[0]
     stats = PairStatistics(model.spec, model.spec)
     for i in range(4):
-        feats = content_features(capture_kv(model.model, torch.randint(0, 100, (64,))), model.spec, slice(1, None))
+        feats = content_features(
+            capture_kv(model.model, torch.randint(0, 100, (64,))), model.spec, slice(1, None)
+        )
         stats.update(feats, feats, held_out=i == 3)
     mapper, report = fit_from_statistics(stats, CalibrationConfig(ridge=1e-6, top_k=1))
     assert mapper.selection == [[0], [1], [2]]

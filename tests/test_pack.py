@@ -4,7 +4,12 @@ import pytest
 import torch
 
 from sgl_kvmap import pack
-from sgl_kvmap.calibrate import CalibrationConfig, PairStatistics, content_features, fit_from_statistics
+from sgl_kvmap.calibrate import (
+    CalibrationConfig,
+    PairStatistics,
+    content_features,
+    fit_from_statistics,
+)
 from sgl_kvmap.capture import capture_kv
 from sgl_kvmap.errors import PackError, PairMismatchError
 from sgl_kvmap.mapper import KVMapper
@@ -21,7 +26,9 @@ def mapper(tiny_pair) -> KVMapper:
         x = content_features(capture_kv(source.model, ids), source.spec, slice(1, None))
         y = content_features(capture_kv(target.model, ids), target.spec, slice(1, None))
         stats.update(x, y, held_out=i == 3)
-    fitted, _ = fit_from_statistics(stats, CalibrationConfig(top_k=2), recipe={"text": "random ids", "tokens": 256})
+    fitted, _ = fit_from_statistics(
+        stats, CalibrationConfig(top_k=2), recipe={"text": "random ids", "tokens": 256}
+    )
     fitted.info["metrics"]["eval_retention"] = 0.5
     return fitted
 
@@ -39,7 +46,11 @@ def test_round_trip_keeps_everything(mapper, saved, tiny_pair):
     cache = capture_kv(tiny_pair[0].model, torch.randint(0, 100, (20,)))
     for a, b in zip(loaded.map(cache).keys, mapper.map(cache).keys):
         assert torch.equal(a, b)
-    assert sorted(p.name for p in saved.iterdir()) == ["README.md", "kvmap.json", "mapper.safetensors"]
+    assert sorted(p.name for p in saved.iterdir()) == [
+        "README.md",
+        "kvmap.json",
+        "mapper.safetensors",
+    ]
     card = (saved / "README.md").read_text()
     assert "tiny-qwen2-1" in card and "eval_retention | 0.5" in card
 
@@ -63,7 +74,12 @@ def edit_json(folder, fn):
         (lambda f: (f / "mapper.safetensors").unlink(), "mapper.safetensors is missing"),
         (lambda f: (f / "kvmap.json").unlink(), "kvmap.json is missing"),
         (lambda f: (f / "kvmap.json").write_text("{not json"), "not valid JSON"),
-        (lambda f: (f / "mapper.safetensors").write_bytes((f / "mapper.safetensors").read_bytes()[:-8]), "checksum"),
+        (
+            lambda f: (f / "mapper.safetensors").write_bytes(
+                (f / "mapper.safetensors").read_bytes()[:-8]
+            ),
+            "checksum",
+        ),
         (lambda f: edit_json(f, lambda d: d.update(format_version=99)), "format version 99"),
         (lambda f: edit_json(f, lambda d: d.update(format="other")), "not an sgl-kvmap pack"),
         (lambda f: edit_json(f, lambda d: d["target"].update(head_dim=64)), "fingerprint"),

@@ -16,7 +16,9 @@ def random_tables(tokens: int, pairs: int, scale: float = 1.0) -> RotaryTables:
 
 @pytest.mark.parametrize("style", ["half", "interleaved"])
 @pytest.mark.parametrize("rotary_dim", [32, 16])  # full and partial rotary of a 32-dim head
-@pytest.mark.parametrize("scale", [1.0, 1.3])  # 1.3: YaRN-style attention factor folded into cos/sin
+@pytest.mark.parametrize(
+    "scale", [1.0, 1.3]
+)  # 1.3: YaRN-style attention factor folded into cos/sin
 def test_round_trip_exact_to_float32(style, rotary_dim, scale):
     x = torch.randn(50, 3, 32)
     tables = random_tables(50, rotary_dim // 2, scale)
@@ -48,6 +50,9 @@ def test_unrope_recovers_the_models_own_pre_rope_keys(kind):
 
 
 def test_spec_reads_partial_rotary_interleaving_and_qk_norm():
-    assert tiny_model("glm").spec.rotary_dim == 8 and tiny_model("glm").spec.rope_style == "interleaved"
+    assert (
+        tiny_model("glm").spec.rotary_dim == 8
+        and tiny_model("glm").spec.rope_style == "interleaved"
+    )
     assert tiny_model("qwen3").spec.qk_norm and not tiny_model("qwen2").spec.qk_norm
     assert tiny_model("qwen2").spec.rotary_dim == 16

@@ -1,0 +1,68 @@
+"""Translate a prefix vs re-prefill it with the target, side by side in one run.
+
+    python benchmarks/translate_speed.py PACK [PACK ...] [--tokens 512 --tokens 2048]
+
+For each pack (e.g. the two written by `sgl-kvmap demo`), loads its source and target from
+the paths recorded in the pack, and times at each prefix length: the mapper (unrope, matrix
+products, rope), the target's forward over its sink tokens, and the target's own prefill.
+Prints a table; writes benchmarks/results/translate_speed.json. No asserts: benchmarks measure.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+
+import click
+import torch
+
+from sgl_kvmap import KVMapper, load_model
+from sgl_kvmap.texts import prompt_of_length
+from sgl_kvmap.timing import measure_speed
+
+RESULTS = Path(__file__).parent / "results" / "translate_speed.json"
+
+
+@click.command()
+@click.argument("packs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
+@click.option(
+    "--tokens", "token_counts", multiple=True, type=int, default=[512, 2048], show_default=True
+)
+@click.option("--repeats", default=3, show_default=True)
+def main(packs, token_counts, repeats) -> None:
+    rows = []
+    for pack in packs:
+        mapper = KVMapper.from_pretrained(pack)
+        source, target = load_model(mapper.source.model_id), load_model(mapper.target.model_id)
+        for tokens in token_counts:
+            speed = measure_speed(
+                mapper, source, target, prompt_of_length(target.tokenizer, tokens), repeats
+            )
+            rows.append(
+                {
+                    "pack": str(pack),
+                    "k": mapper.k,
+                    "sink_tokens": mapper.sink_tokens,
+                    **speed.to_dict(),
+                }
+            )
+            print(
+                f"{Path(pack).name:<16} k={mapper.k:<3} {tokens:>6} tokens: "
+                f"map+sinks {speed.translate_seconds:7.3f} s "
+                f"(map {speed.map_seconds:.3f}, sinks {speed.sink_seconds:.3f}), "
+                f"re-prefill {speed.prefill_seconds:7.2f} s, "
+                f"speedup {speed.speedup:6.1f}x"
+            )
+        del source, target
+    meta = {
+        "machine": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+    RESULTS.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

