@@ -13,7 +13,6 @@ import hashlib
 import importlib.util
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ModelSourceError
+from .files import replacing_folder
 
 log = logging.getLogger(__name__)
 
@@ -160,17 +160,9 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     missing, unexpected = plain.load_state_dict(state, strict=False)
     _check_conversion(missing, unexpected, config)
     del state
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
-    try:
+    with replacing_folder(target) as staging:
         plain.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 def _check_conversion(missing: list[str], unexpected: list[str], config) -> None:

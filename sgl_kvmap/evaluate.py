@@ -10,7 +10,6 @@ target's attention outputs over translated vs true KV (true queries, causal).
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -262,12 +261,9 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
 
 
 def _gap(mapped: Quality, source: Quality, reference: Quality) -> float | None:
+    """(mapped - source) / (reference - source); None unless the target beats the source."""
     spread = reference.accuracy - source.accuracy
-    return (
-        None
-        if math.isclose(spread, 0.0, abs_tol=1e-12)
-        else (mapped.accuracy - source.accuracy) / spread
-    )
+    return None if spread <= 1e-12 else (mapped.accuracy - source.accuracy) / spread
 
 
 def _ratio(a: Quality, b: Quality) -> float | None:

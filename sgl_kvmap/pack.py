@@ -11,11 +11,7 @@ half-written pack. Loading checks everything and raises PackError saying what is
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .errors import KVMapError, PackError, PairMismatchError
+from .files import replacing_folder, sha256_file
 from .fit import KINDS, LayerMap
 from .spec import ModelSpec
 
@@ -37,19 +34,11 @@ FORMAT_VERSION = 1
 def save_pack(mapper, folder: Path) -> Path:
     """Write ``mapper`` to ``folder`` (replaced whole if it exists). Returns the folder."""
     folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
-    try:
+    with replacing_folder(folder) as staging:
         save_file(_tensors(mapper), staging / TENSORS_FILE, metadata={"format": FORMAT_NAME})
-        config = _config(mapper, _sha256(staging / TENSORS_FILE))
+        config = _config(mapper, sha256_file(staging / TENSORS_FILE))
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         (staging / CARD_FILE).write_text(model_card(config))
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(staging, folder)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return folder
 
 
@@ -62,7 +51,7 @@ def load_pack(folder: Path):
     tensors_path = folder / TENSORS_FILE
     if not tensors_path.is_file():
         raise PackError(f"{folder}: {TENSORS_FILE} is missing; re-download or re-build the pack")
-    if _sha256(tensors_path) != config["tensors_sha256"]:
+    if sha256_file(tensors_path) != config["tensors_sha256"]:
         raise PackError(
             f"{folder}: {TENSORS_FILE} does not match the checksum in {CONFIG_FILE} "
             "(damaged or edited); re-download or re-build the pack"
@@ -221,14 +210,6 @@ def _spec_difference(a: ModelSpec, b: ModelSpec) -> str:
     if fields:
         return ", ".join(f"{k}: {da[k]!r} vs {db[k]!r}" for k in fields)
     return "their configs differ"
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _fmt(value: Any) -> str:

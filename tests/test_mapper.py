@@ -13,6 +13,8 @@ from sgl_kvmap.capture import KVCache, capture_kv
 from sgl_kvmap.errors import KVMapError
 from sgl_kvmap.rope import rope, tables_for_spec, unrope
 
+from .conftest import tiny_model
+
 # target layer -> source layers it is built from (3 source layers, 4 target layers)
 TRUE_SOURCES = [[0], [0, 2], [1], [1, 2]]
 
@@ -40,9 +42,14 @@ def synthetic_target_cache(source_cache: KVCache, source_spec, target_spec, weig
     return KVCache(out["k"], out["v"], source_cache.positions)
 
 
-@pytest.fixture(scope="module")
-def exact_problem(tiny_pair):
-    source, target = tiny_pair
+def cross_family_pair():
+    """Llama-3-scaled RoPE (half-split) -> GLM (partial, interleaved), geometry differs too."""
+    return tiny_model("llama3", seed=7), tiny_model("glm", seed=8, layers=4, kv_heads=1, head_dim=32)
+
+
+@pytest.fixture(scope="module", params=["qwen2->qwen2", "llama3->glm"])
+def exact_problem(request, tiny_pair):
+    source, target = tiny_pair if request.param == "qwen2->qwen2" else cross_family_pair()
     torch.manual_seed(0)
     ws, wt = source.spec.kv_width, target.spec.kv_width
     weights = {

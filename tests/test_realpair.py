@@ -15,7 +15,7 @@ from sgl_kvmap.texts import default_eval_files, eval_windows
 
 pytestmark = pytest.mark.realpair
 
-BUDGET = CalibrationConfig(tokens=4096, window=512, top_k=4)
+BUDGET = CalibrationConfig(tokens=8192, window=512, top_k=2)
 PREFIX, CONTINUATION, TAIL, WINDOWS = 512, 32, 16, 3
 
 
@@ -51,7 +51,7 @@ def test_the_pair_shares_a_tokenizer_and_differs_in_geometry(pair):
 @pytest.mark.parametrize("direction", [0, 1])
 def test_heldout_r2_floors(fitted, direction):
     _, report = fitted[direction]
-    r2 = report.per_k[4]
+    r2 = report.per_k[2]
     assert r2["k"] > FLOORS["r2_k"][direction] and r2["v"] > FLOORS["r2_v"][direction]
     assert r2["k"] > report.per_k[1]["k"]  # cross-layer selection helps K
 
@@ -60,8 +60,8 @@ def test_heldout_r2_floors(fitted, direction):
 def test_translated_cache_beats_no_prefix(reports, direction):
     r = reports[direction]
     assert r.mapped.accuracy > r.no_prefix.accuracy + FLOORS["over_no_prefix"][direction]
-    assert r.mapped.nll < r.no_prefix.nll
-    assert r.mapped_tail.nll <= r.mapped.nll + 0.05  # recomputing a tail does not hurt
+    assert r.mapped.nll < r.no_prefix.nll - 0.5
+    assert r.mapped_tail.nll <= r.mapped.nll + 0.1  # recomputing a tail does not hurt
     assert sum(r.attention_cosine) / len(r.attention_cosine) > FLOORS["attention_cosine"][direction]
 
 
@@ -73,9 +73,12 @@ def test_real_pack_round_trip(fitted, pair, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(loaded.map(cache).keys, mapper.map(cache).keys))
 
 
+# Measured with BUDGET on 2026-11-30 (0.5B->1.5B, 1.5B->0.5B): held-out R2 K 0.593 / 0.705,
+# V 0.322 / 0.461; accuracy over no-prefix +0.125 / +0.167 (96 tokens, so noisy); NLL 2.36 vs
+# 3.62 and 2.39 vs 4.18; attention cosine 0.911 / 0.927. Floors leave margin for BLAS noise.
 FLOORS = {  # [0.5B->1.5B, 1.5B->0.5B]
-    "r2_k": [0.0, 0.0],
-    "r2_v": [0.0, 0.0],
-    "over_no_prefix": [0.0, 0.0],
-    "attention_cosine": [0.0, 0.0],
+    "r2_k": [0.50, 0.62],
+    "r2_v": [0.22, 0.36],
+    "over_no_prefix": [0.04, 0.06],
+    "attention_cosine": [0.88, 0.89],
 }
