@@ -15,7 +15,7 @@ from pathlib import Path
 from .calibrate import CalibrationConfig, fit_mapper
 from .capture import load_model
 from .default_pair import LARGE, SMALL, ensure_model
-from .evaluate import evaluate
+from .evaluate import EvalRuns, evaluate
 from .texts import default_eval_files, eval_windows, prompt_of_length
 from .timing import measure_speed
 
@@ -38,11 +38,12 @@ def run_demo(
         large.tokenizer, default_eval_files(), prefix_len + continuation, windows
     )
     bench_ids = prompt_of_length(large.tokenizer, bench_tokens)
+    runs = EvalRuns(eval_ids, prefix_len, continuation)  # each model's own passes, shared
     results = {}
     for (mapper, fit_report), (source, target), name in zip(
         fits, [(small, large), (large, small)], ("0.5B->1.5B", "1.5B->0.5B")
     ):
-        report = evaluate(mapper, source, target, eval_ids, prefix_len, continuation, tail)
+        report = evaluate(mapper, source, target, eval_ids, prefix_len, continuation, tail, runs)
         speed = measure_speed(mapper, source, target, bench_ids)
         mapper.info["metrics"].update(report.summary())
         mapper.info["metrics"].update({f"speed_{k}": v for k, v in speed.to_dict().items()})

@@ -147,14 +147,57 @@ class _Accumulator:
     cosine: torch.Tensor | None = None
     windows: int = 0
 
-    def add_quality(self, name: str, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        self.correct[name] = self.correct.get(name, 0) + (logits.argmax(-1) == labels).sum().item()
-        self.nll[name] = (
-            self.nll.get(name, 0.0) + F.cross_entropy(logits, labels, reduction="sum").item()
-        )
+    def add_scores(self, name: str, scores: tuple[torch.Tensor, torch.Tensor]) -> None:
+        correct, nll = scores
+        self.correct[name] = self.correct.get(name, 0) + correct.sum().item()
+        self.nll[name] = self.nll.get(name, 0.0) + nll.sum().item()
 
     def quality(self, name: str) -> Quality:
         return Quality(self.correct[name] / self.count, self.nll[name] / self.count)
+
+
+@dataclass
+class OwnRun:
+    """One model's own pass over one window, reused by every evaluation that needs it.
+
+    cache: the model's KV for the whole window. queries: L x [continuation + 1, heads, d]
+    post-RoPE queries of positions prefix_len-1 .. end. scores: (correct [C] bool, nll [C])
+    on the continuation with its own prefix, and with no prefix at all.
+    """
+
+    cache: KVCache
+    queries: list[torch.Tensor]
+    own: tuple[torch.Tensor, torch.Tensor]
+    no_prefix: tuple[torch.Tensor, torch.Tensor]
+
+
+class EvalRuns:
+    """Memo of ``OwnRun`` per (model, window) for one set of windows: evaluating several mappers,
+    tails or both directions of a pair on the same windows runs each model over them once."""
+
+    def __init__(self, windows: list[torch.Tensor], prefix_len: int, continuation: int):
+        if prefix_len < 2 or continuation < 1:
+            raise ValueError("need prefix_len >= 2 and continuation >= 1")
+        self.windows = [w[: prefix_len + continuation] for w in windows]
+        if any(w.numel() < prefix_len + continuation for w in self.windows):
+            raise ValueError(f"every window needs {prefix_len + continuation} tokens")
+        self.prefix_len, self.continuation = prefix_len, continuation
+        self._runs: dict[tuple[int, int], OwnRun] = {}
+
+    def get(self, model: LoadedModel, index: int) -> OwnRun:
+        key = (id(model.model), index)
+        if key not in self._runs:
+            self._runs[key] = self._run(model, self.windows[index])
+        return self._runs[key]
+
+    def _run(self, model: LoadedModel, window: torch.Tensor) -> OwnRun:
+        keep, labels = self.continuation + 1, window[self.prefix_len :]
+        full = run(model.model, window, logits_to_keep=keep, want_queries=True)
+        none = run(model.model, window[self.prefix_len - 1 :], logits_to_keep=keep)
+        queries = [q[self.prefix_len - 1 :].clone() for q in full.queries]
+        return OwnRun(
+            full.cache, queries, _scores(full.logits, labels), _scores(none.logits, labels)
+        )
 
 
 def evaluate(
@@ -165,13 +208,25 @@ def evaluate(
     prefix_len: int,
     continuation: int,
     tail: int = 32,
+    runs: EvalRuns | None = None,
 ) -> EvalReport:
-    """Fidelity of ``mapper`` on ``windows`` (each ``[>= prefix_len + continuation]`` token ids)."""
+    """Fidelity of ``mapper`` on ``windows`` (each ``[>= prefix_len + continuation]`` token ids).
+
+    Pass the same ``runs`` (an EvalRuns over these windows) to several calls to reuse the
+    models' own passes.
+    """
     check_models(mapper, source.spec, target.spec)
+    runs = runs or EvalRuns(windows, prefix_len, continuation)
+    if (runs.prefix_len, runs.continuation, len(runs.windows)) != (
+        prefix_len,
+        continuation,
+        len(windows),
+    ):
+        raise ValueError("runs were made for other windows, prefix length or continuation")
     acc = _Accumulator()
-    for window in tqdm(windows, desc="evaluating", unit="win"):
+    for i in tqdm(range(len(windows)), desc="evaluating", unit="win"):
         _evaluate_window(
-            mapper, source, target, window[: prefix_len + continuation], prefix_len, tail, acc
+            mapper, runs.get(source, i), runs.get(target, i), target, runs, i, tail, acc
         )
     per_head_r2 = {kind: 1 - acc.sse[kind] / acc.sst[kind] for kind in ("k", "v")}
     return EvalReport(
@@ -185,32 +240,31 @@ def evaluate(
     )  # fmt: skip
 
 
-def _evaluate_window(mapper, source, target, window, prefix_len, tail, acc: _Accumulator) -> None:
-    continuation = window.numel() - prefix_len
-    labels = window[prefix_len:]
-    keep = continuation + 1  # logits at positions prefix_len-1 .. end-1; the last one is dropped
-    truth = run(target.model, window, logits_to_keep=keep, want_queries=True)
-    acc.add_quality("reference", truth.logits[:-1], labels)
-    src = run(source.model, window, logits_to_keep=keep)
-    acc.add_quality("source", src.logits[:-1], labels)
-    none = run(target.model, window[prefix_len - 1 :], logits_to_keep=keep)
-    acc.add_quality("no_prefix", none.logits[:-1], labels)
+def _evaluate_window(mapper, src: OwnRun, truth: OwnRun, target, runs: EvalRuns, i, tail, acc):
+    window, prefix_len = runs.windows[i], runs.prefix_len
+    keep, labels = runs.continuation + 1, window[prefix_len:]
+    acc.add_scores("reference", truth.own)
+    acc.add_scores("source", src.own)
+    acc.add_scores("no_prefix", truth.no_prefix)
     for name, t in (("mapped", 0), ("mapped_tail", tail)):
         split = handoff_split(prefix_len, t)
-        translated = translate_prefix(
-            mapper, src.cache.slice(0, split), window[:split], target.model
-        )
+        source_prefix = src.cache.slice(0, split)
+        translated = translate_prefix(mapper, source_prefix, window[:split], target.model)
         out = run(target.model, window[split:], past=translated, logits_to_keep=keep)
-        acc.add_quality(name, out.logits[:-1], labels)
+        acc.add_scores(name, _scores(out.logits, labels))
         if t == 0:
-            _add_layer_fidelity(acc, translated, truth, target, mapper.sink_tokens, prefix_len)
-    acc.count += continuation
+            _add_layer_fidelity(acc, translated, truth, target, mapper.sink_tokens)
+    acc.count += runs.continuation
     acc.windows += 1
 
 
-def _add_layer_fidelity(
-    acc: _Accumulator, translated: KVCache, truth, target: LoadedModel, sinks: int, prefix_len: int
-):
+def _scores(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(correct, nll) per continuation token; logits [C+1, vocab], the last row is dropped."""
+    logits = logits[:-1]
+    return logits.argmax(-1) == labels, F.cross_entropy(logits, labels, reduction="none")
+
+
+def _add_layer_fidelity(acc: _Accumulator, translated: KVCache, truth: OwnRun, target, sinks: int):
     spec = target.spec
     true_prefix = truth.cache.slice(sinks, len(translated))
     mapped = translated.slice(sinks)
@@ -230,7 +284,7 @@ def _add_layer_fidelity(
         acc.sse[kind] = acc.sse.get(kind, 0) + sse
         acc.sst[kind] = acc.sst.get(kind, 0) + sst
     cos = torch.tensor([
-        _attention_cosine(q, k_true, v_true, k_map, v_map, prefix_len)
+        _attention_cosine(q, k_true, v_true, k_map, v_map)
         for q, k_true, v_true, k_map, v_map in zip(
             truth.queries, truth.cache.keys, truth.cache.values, translated.keys, translated.values
         )
@@ -238,14 +292,16 @@ def _add_layer_fidelity(
     acc.cosine = cos if acc.cosine is None else acc.cosine + cos
 
 
-def _attention_cosine(q, k_true, v_true, k_map, v_map, first_query: int) -> float:
-    """Mean cosine of attention outputs of queries [first_query-1:] over true vs translated KV.
-    q: [T, H, d]; k/v_true: [T, kv, d]; k/v_map: [m, kv, d] replace the first m tokens."""
+def _attention_cosine(q, k_true, v_true, k_map, v_map) -> float:
+    """Mean cosine of attention outputs over true vs translated KV.
+
+    q: [n, H, d], queries of the LAST n positions; k/v_true: [T, kv, d];
+    k/v_map: [m, kv, d], translated KV that replaces the first m tokens.
+    """
     m = k_map.shape[0]
     k_mixed, v_mixed = torch.cat((k_map, k_true[m:])), torch.cat((v_map, v_true[m:]))
-    queries = q[first_query - 1 :]
-    out_true = _causal_attention(queries, k_true, v_true)
-    out_map = _causal_attention(queries, k_mixed, v_mixed)
+    out_true = _causal_attention(q, k_true, v_true)
+    out_map = _causal_attention(q, k_mixed, v_mixed)
     return F.cosine_similarity(out_true, out_map, dim=-1).mean().item()
 
 

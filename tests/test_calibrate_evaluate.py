@@ -80,3 +80,22 @@ def test_evaluation_baselines_match_direct_runs(tiny_pair, text_dir):
     )
     assert len(report.r2_k) == target.spec.num_layers == len(report.attention_cosine)
     assert "target, translated + 8-token tail" in report.table()
+
+
+def test_shared_runs_give_the_same_report_and_refuse_other_windows(tiny_pair, text_dir):
+    from sgl_kvmap.evaluate import EvalRuns
+
+    source, target = tiny_pair
+    ((mapper, _),) = fit_mapper(source, target, [text_dir / "calib"], CalibrationConfig(**SMALL))
+    windows = eval_windows(target.tokenizer, expand_paths([text_dir / "eval"]), 80, 2)
+    runs = EvalRuns(windows, 48, 32)
+    first = evaluate(mapper, source, target, windows, 48, 32, tail=8, runs=runs)
+    assert len(runs._runs) == 4  # two models x two windows, each run once
+    again = evaluate(mapper, source, target, windows, 48, 32, tail=8, runs=runs)
+    fresh = evaluate(mapper, source, target, windows, 48, 32, tail=8)
+    assert again.to_dict() == first.to_dict()
+    assert fresh.reference == first.reference and fresh.mapped.nll == pytest.approx(
+        first.mapped.nll
+    )
+    with pytest.raises(ValueError, match="other windows"):
+        evaluate(mapper, source, target, windows, 40, 32, tail=8, runs=runs)

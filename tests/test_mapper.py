@@ -44,7 +44,9 @@ def synthetic_target_cache(source_cache: KVCache, source_spec, target_spec, weig
 
 def cross_family_pair():
     """Llama-3-scaled RoPE (half-split) -> GLM (partial, interleaved), geometry differs too."""
-    return tiny_model("llama3", seed=7), tiny_model("glm", seed=8, layers=4, kv_heads=1, head_dim=32)
+    return tiny_model("llama3", seed=7), tiny_model(
+        "glm", seed=8, layers=4, kv_heads=1, head_dim=32
+    )
 
 
 @pytest.fixture(scope="module", params=["qwen2->qwen2", "llama3->glm"])

@@ -10,6 +10,7 @@ import torch
 
 from sgl_kvmap import CalibrationConfig, KVMapper, capture_kv, evaluate, fit_mapper, load_model
 from sgl_kvmap.default_pair import LARGE, SMALL, ensure_model
+from sgl_kvmap.evaluate import EvalRuns
 from sgl_kvmap.pack import check_models
 from sgl_kvmap.texts import default_eval_files, eval_windows
 
@@ -35,8 +36,9 @@ def fitted(pair):
 def reports(pair, fitted):
     small, large = pair
     windows = eval_windows(large.tokenizer, default_eval_files(), PREFIX + CONTINUATION, WINDOWS)
+    runs = EvalRuns(windows, PREFIX, CONTINUATION)
     return [
-        evaluate(mapper, source, target, windows, PREFIX, CONTINUATION, TAIL)
+        evaluate(mapper, source, target, windows, PREFIX, CONTINUATION, TAIL, runs)
         for (mapper, _), (source, target) in zip(fitted, [(small, large), (large, small)])
     ]
 
