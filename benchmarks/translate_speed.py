@@ -49,10 +49,11 @@ def main(packs, token_counts, repeats) -> None:
             )
             print(
                 f"{Path(pack).name:<16} k={mapper.k:<3} {tokens:>6} tokens: "
-                f"map+sinks {speed.translate_seconds:7.3f} s "
-                f"(map {speed.map_seconds:.3f}, sinks {speed.sink_seconds:.3f}), "
-                f"re-prefill {speed.prefill_seconds:7.2f} s, "
-                f"speedup {speed.speedup:6.1f}x"
+                f"map {speed.map_seconds:.3f} s, sinks {speed.sink_seconds:.3f} s, "
+                f"hand-off {speed.handoff_seconds:.3f} s, "
+                f"re-prefill {speed.prefill_seconds:.2f} s; "
+                f"speedup: map {speed.map_speedup:.1f}x, map+sinks {speed.speedup:.1f}x, "
+                f"end-to-end {speed.end_to_end_speedup:.1f}x"
             )
         del source, target
     meta = {

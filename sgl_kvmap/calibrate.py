@@ -8,12 +8,15 @@ may feed both directions at once. Memory stays flat in the number of tokens.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from .capture import KVCache, LoadedModel, capture_kv, load_model
@@ -22,7 +25,7 @@ from .fit import KINDS, Geometry, candidate_ks, fit_maps, heldout_r2, probe_scor
 from .mapper import KVMapper
 from .rope import tables_for_spec, unrope
 from .spec import ModelSpec, check_pair
-from .stats import Moments
+from .stats import Moments, moments_from_tensors, moments_to_tensors
 from .texts import calibration_windows, expand_paths, stdlib_files
 
 log = logging.getLogger(__name__)
@@ -113,6 +116,20 @@ class PairStatistics:
             (self.heldout if held_out else self.train)[kind].update(x[kind], y[kind])
 
 
+@dataclass
+class CalibrationState:
+    """Statistics after the first ``windows`` calibration windows; more windows can be added.
+
+    Window i is held out when (i + 1) % heldout_every == 0, so a state grown in steps equals
+    one collected in a single pass over the same windows.
+    """
+
+    forward: PairStatistics
+    reverse: PairStatistics | None
+    windows: int = 0
+    capture_seconds: float = 0.0
+
+
 def fit_mapper(
     source: str | LoadedModel,
     target: str | LoadedModel,
@@ -128,35 +145,97 @@ def fit_mapper(
     """
     src, tgt = _loaded(source), _loaded(target)
     check_pair(src.spec, tgt.spec)
-    files = expand_paths(calibration) if calibration else stdlib_files()
-    text_name = (
-        ", ".join(map(str, calibration)) if calibration else "Python standard library sources"
+    windows = calibration_token_windows(src.tokenizer, calibration, config)
+    state = collect_statistics(src, tgt, windows, config, both_directions)
+    recipe = {"text": text_description(calibration), "tokens": len(windows) * config.window}
+    recipe.update(_recipe(config))
+    directions = [state.forward, state.reverse] if both_directions else [state.forward]
+    return [fit_from_statistics(s, config, recipe, state.capture_seconds) for s in directions]
+
+
+def save_state(state: CalibrationState, path: Path) -> None:
+    """Write collected statistics to one safetensors file (atomic: temp file + rename)."""
+    tensors = {}
+    for name, stats in (("forward", state.forward), ("reverse", state.reverse)):
+        for split in ("train", "heldout") if stats is not None else ():
+            for kind, m in getattr(stats, split).items():
+                tensors.update(moments_to_tensors(m, f"{name}.{split}.{kind}"))
+    meta = {"windows": str(state.windows), "capture_seconds": str(state.capture_seconds)}
+    meta["forward_fingerprints"] = (
+        f"{state.forward.source.fingerprint},{state.forward.target.fingerprint}"
     )
-    forward, reverse = PairStatistics(src.spec, tgt.spec), PairStatistics(tgt.spec, src.spec)
-    started = time.perf_counter()
+    tmp = Path(path).with_suffix(".partial")
+    save_file(tensors, tmp, metadata=meta)
+    os.replace(tmp, path)
+
+
+def load_state(path: Path, source: ModelSpec, target: ModelSpec) -> CalibrationState:
+    """Read statistics saved by ``save_state`` for this (source, target) pair."""
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata()
+        tensors = {key: f.get_tensor(key) for key in f.keys()}
+    if meta["forward_fingerprints"] != f"{source.fingerprint},{target.fingerprint}":
+        raise KVMapError(f"{path} holds statistics of another model pair")
+    directions = []
+    for name, (s, t) in (("forward", (source, target)), ("reverse", (target, source))):
+        if f"{name}.train.k.n" not in tensors:
+            directions.append(None)
+            continue
+        split = {
+            sp: {k: moments_from_tensors(tensors, f"{name}.{sp}.{k}") for k in KINDS}
+            for sp in ("train", "heldout")
+        }
+        directions.append(PairStatistics(s, t, split["train"], split["heldout"]))
+    return CalibrationState(*directions, int(meta["windows"]), float(meta["capture_seconds"]))
+
+
+def calibration_token_windows(
+    tokenizer, calibration, config: CalibrationConfig
+) -> list[torch.Tensor]:
+    """The calibration windows ``[window]`` of token ids for ``config`` (stdlib by default)."""
+    files = expand_paths(calibration) if calibration else stdlib_files()
     windows = list(
-        calibration_windows(
-            src.tokenizer, files, config.window, config.tokens, config.per_file_tokens
-        )
+        calibration_windows(tokenizer, files, config.window, config.tokens, config.per_file_tokens)
     )
     if len(windows) < 2:
         raise KVMapError(
             f"calibration text gave {len(windows)} window(s) of {config.window} tokens; "
             "need 2 or more"
         )
-    heldout_windows = _heldout_indices(len(windows), config.heldout_every)
-    for i, ids in enumerate(tqdm(windows, desc="calibration windows", unit="win")):
-        rows = slice(config.skip_first, None, config.stride)
-        src_features = content_features(capture_kv(src.model, ids), src.spec, rows)
-        tgt_features = content_features(capture_kv(tgt.model, ids), tgt.spec, rows)
-        held_out = i in heldout_windows
-        forward.update(src_features, tgt_features, held_out)
-        if both_directions:
-            reverse.update(tgt_features, src_features, held_out)
-    capture_seconds = time.perf_counter() - started
-    recipe = {"text": text_name, "tokens": len(windows) * config.window, **_recipe(config)}
-    directions = [forward, reverse] if both_directions else [forward]
-    return [fit_from_statistics(stats, config, recipe, capture_seconds) for stats in directions]
+    return windows
+
+
+def text_description(calibration) -> str:
+    return ", ".join(map(str, calibration)) if calibration else "Python standard library sources"
+
+
+def collect_statistics(
+    src: LoadedModel,
+    tgt: LoadedModel,
+    windows: list[torch.Tensor],
+    config: CalibrationConfig,
+    both_directions: bool = False,
+    state: CalibrationState | None = None,
+) -> CalibrationState:
+    """Run both models over ``windows`` (those past ``state.windows`` when resuming) and add
+    every window's content-space K/V to the statistics of one or both directions."""
+    if state is None:
+        reverse = PairStatistics(tgt.spec, src.spec) if both_directions else None
+        state = CalibrationState(PairStatistics(src.spec, tgt.spec), reverse)
+    if both_directions and state.reverse is None:
+        raise KVMapError("cannot add the reverse direction to statistics collected without it")
+    heldout = _heldout_indices(len(windows), config.heldout_every)
+    rows = slice(config.skip_first, None, config.stride)
+    started = time.perf_counter()
+    for i in tqdm(range(state.windows, len(windows)), desc="calibration windows", unit="win"):
+        src_features = content_features(capture_kv(src.model, windows[i]), src.spec, rows)
+        tgt_features = content_features(capture_kv(tgt.model, windows[i]), tgt.spec, rows)
+        state.forward.update(src_features, tgt_features, i in heldout)
+        if state.reverse is not None:
+            state.reverse.update(tgt_features, src_features, i in heldout)
+    state.windows = len(windows)
+    state.capture_seconds += time.perf_counter() - started
+    return state
 
 
 def content_features(cache: KVCache, spec: ModelSpec, rows: slice) -> dict[str, torch.Tensor]:

@@ -73,9 +73,13 @@ COLUMNS = [  # header, width, value from one direction's results
     ("gap", 6, lambda f, e, s: _num(e["gap_closed"])),
     ("+tail", 6, lambda f, e, s: _num(e["gap_closed_tail"])),
     ("attn cos", 8, lambda f, e, s: _num(e["mean_attention_cosine"])),
-    ("map s", 6, lambda f, e, s: f"{s['translate_seconds']:.2f}"),
+    ("map s", 6, lambda f, e, s: f"{s['map_seconds']:.2f}"),
+    ("sinks s", 7, lambda f, e, s: f"{s['sink_seconds']:.2f}"),
+    ("handoff s", 9, lambda f, e, s: f"{s['handoff_seconds']:.2f}"),
     ("prefill s", 9, lambda f, e, s: f"{s['prefill_seconds']:.2f}"),
-    ("speedup", 7, lambda f, e, s: f"{s['speedup']:.1f}x"),
+    ("x map", 6, lambda f, e, s: f"{s['map_speedup']:.0f}x"),
+    ("x map+sinks", 11, lambda f, e, s: f"{s['speedup']:.1f}x"),
+    ("x end-to-end", 12, lambda f, e, s: f"{s['end_to_end_speedup']:.1f}x"),
 ]
 
 
@@ -93,8 +97,9 @@ def format_table(results: dict) -> str:
         f"eval: {e['windows']} windows, prefix {e['prefix_len']}, "
         f"continuation {e['continuation']}, "
         f"tail {e['tail']}, sink tokens {e['sink_tokens']}; speed at {s['tokens']} tokens",
-        "map s = map + the target's own sink tokens; gap = (mapped - source) / (target - source),",
-        "meaningless where the source is the better model (1.5B->0.5B): read retention there.",
+        "speedups = target re-prefill over: the map; map + the target's sink tokens; map + sinks +",
+        "the target's forward over the last prompt token (hand-off). gap = (mapped - source) /",
+        "(target - source), n/a where the source is the better model: read retention there.",
     ]
     return "\n".join(lines)
 

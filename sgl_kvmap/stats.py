@@ -139,3 +139,18 @@ def _block(matrix: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torc
 
 def _is_everything(index: torch.Tensor, size: int) -> bool:
     return index.numel() == size and torch.equal(index, torch.arange(size))
+
+
+MOMENT_FIELDS = ("shift_x", "shift_y", "sum_x", "sum_y", "xx", "xy", "yy")
+
+
+def moments_to_tensors(m: Moments, prefix: str) -> dict[str, torch.Tensor]:
+    """Flat ``{prefix.field: tensor}`` for safetensors (``n`` is stored as a 0-d tensor)."""
+    out = {f"{prefix}.{name}": getattr(m, name).contiguous() for name in MOMENT_FIELDS}
+    out[f"{prefix}.n"] = torch.tensor(m.n, dtype=torch.int64)
+    return out
+
+
+def moments_from_tensors(tensors: dict[str, torch.Tensor], prefix: str) -> Moments:
+    fields = {name: tensors[f"{prefix}.{name}"] for name in MOMENT_FIELDS}
+    return Moments(n=int(tensors[f"{prefix}.n"]), **fields)

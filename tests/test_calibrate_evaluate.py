@@ -99,3 +99,27 @@ def test_shared_runs_give_the_same_report_and_refuse_other_windows(tiny_pair, te
     )
     with pytest.raises(ValueError, match="other windows"):
         evaluate(mapper, source, target, windows, 40, 32, tail=8, runs=runs)
+
+
+def test_statistics_grown_in_steps_through_a_file_equal_one_pass(tiny_pair, tmp_path):
+    from sgl_kvmap.calibrate import collect_statistics, load_state, save_state
+
+    source, target = tiny_pair
+    config = CalibrationConfig(tokens=1024, window=64, heldout_every=4)
+    windows = [torch.randint(0, 100, (64,)) for _ in range(12)]
+    whole = collect_statistics(source, target, windows, config, both_directions=True)
+    first = collect_statistics(source, target, windows[:8], config, both_directions=True)
+    save_state(first, tmp_path / "stats.safetensors")
+    resumed = load_state(tmp_path / "stats.safetensors", source.spec, target.spec)
+    resumed = collect_statistics(source, target, windows, config, True, state=resumed)
+    assert resumed.windows == 12
+    for a, b in ((whole.forward, resumed.forward), (whole.reverse, resumed.reverse)):
+        for split in ("train", "heldout"):
+            for kind in ("k", "v"):
+                ma, mb = getattr(a, split)[kind], getattr(b, split)[kind]
+                assert ma.n == mb.n
+                torch.testing.assert_close(ma.xy, mb.xy)
+                torch.testing.assert_close(ma.xx, mb.xx)
+    assert whole.forward.heldout["k"].n == 3 * 63  # windows 3, 7, 11
+    with pytest.raises(KVMapError, match="another model pair"):
+        load_state(tmp_path / "stats.safetensors", target.spec, source.spec)
