@@ -21,7 +21,16 @@ from tqdm.auto import tqdm
 
 from .capture import KVCache, LoadedModel, capture_kv, load_model
 from .errors import KVMapError
-from .fit import KINDS, Geometry, candidate_ks, fit_maps, heldout_r2, probe_scores, top_k_selection
+from .fit import (
+    KINDS,
+    Geometry,
+    Ridge,
+    candidate_ks,
+    fit_maps,
+    heldout_r2,
+    probe_scores,
+    top_k_selection,
+)
 from .mapper import KVMapper
 from .rope import tables_for_spec, unrope
 from .spec import ModelSpec, check_pair
@@ -31,6 +40,9 @@ from .texts import calibration_windows, expand_paths, stdlib_files
 log = logging.getLogger(__name__)
 
 
+AUTO_K = ("auto", "auto-layer")
+
+
 @dataclass(frozen=True)
 class CalibrationConfig:
     """How calibration text is read and used.
@@ -38,8 +50,10 @@ class CalibrationConfig:
     tokens: total calibration tokens (train + held-out). window: tokens per forward (each
     window starts at position 0). skip_first: leading tokens of each window left out of the
     statistics (attention sinks). stride: keep every stride-th token. heldout_every: every
-    n-th window is held out for choosing k. top_k: "auto" or an int. k_tolerance: "auto" takes
-    the smallest k whose held-out R^2 is within this of the best. sink_tokens: leading tokens
+    n-th window is held out for choosing k. ridge: lambda on the un-normalised centred Gram,
+    or, with ridge_relative, a multiple of its mean diagonal. top_k: an int, "auto" (one k
+    for all layers) or "auto-layer" (k per target layer); both autos take the smallest k
+    whose held-out R^2 is within k_tolerance of the best. sink_tokens: leading tokens
     the target computes itself at transfer time (recorded in the pack).
     """
 
@@ -49,14 +63,15 @@ class CalibrationConfig:
     stride: int = 1
     heldout_every: int = 8
     ridge: float = 0.01
+    ridge_relative: bool = False
     top_k: int | str = "auto"
     k_tolerance: float = 0.01
     sink_tokens: int = 4
     per_file_tokens: int = 2048
 
     def __post_init__(self) -> None:
-        if self.top_k != "auto" and not (isinstance(self.top_k, int) and self.top_k >= 1):
-            raise KVMapError(f"top_k must be 'auto' or a positive int, got {self.top_k!r}")
+        if self.top_k not in AUTO_K and not (isinstance(self.top_k, int) and self.top_k >= 1):
+            raise KVMapError(f"top_k must be one of {AUTO_K} or a positive int, got {self.top_k!r}")
         if self.tokens < 2 * self.window:
             raise KVMapError(
                 f"need at least two windows of calibration ({2 * self.window} tokens), "
@@ -69,10 +84,13 @@ class CalibrationConfig:
 @dataclass
 class FitReport:
     """What the fit measured. probe_scores: [Lt, Ls]; per_k: k -> held-out R^2 (mean over
-    layers and heads) for K and V; r2_k/r2_v: held-out R^2 per target layer at the chosen k."""
+    layers and heads) for K and V (key "chosen": the per-layer selection, with auto-layer);
+    chosen_k: the largest k used; layer_ks: k of every target layer; r2_k/r2_v: held-out R^2
+    per target layer of the maps as chosen."""
 
     chosen_k: int
-    per_k: dict[int, dict[str, float]]
+    layer_ks: list[int]
+    per_k: dict
     probe_scores: torch.Tensor
     r2_k: list[float]
     r2_v: list[float]
@@ -81,8 +99,13 @@ class FitReport:
     capture_seconds: float
     solve_seconds: float
 
+    @property
+    def heldout(self) -> dict[str, float]:
+        """Mean held-out R^2 (K, V) of the maps as chosen."""
+        return self.per_k["chosen" if "chosen" in self.per_k else self.chosen_k]
+
     def summary(self) -> dict[str, Any]:
-        best = self.per_k[self.chosen_k]
+        best = self.heldout
         return {
             "k": self.chosen_k,
             "heldout_r2_k": best["k"],
@@ -262,25 +285,32 @@ def fit_from_statistics(
     geo = Geometry(
         source.num_layers, source.kv_width, target.num_layers, target.kv_width, target.head_dim
     )
-    scores = probe_scores(split.train, geo, config.ridge)
+    ridge = Ridge(config.ridge, config.ridge_relative)
+    scores = probe_scores(split.train, geo, ridge)
     ks = (
         candidate_ks(source.num_layers)
-        if config.top_k == "auto"
+        if config.top_k in AUTO_K
         else sorted({1, int(config.top_k)})
     )
     per_k, per_layer = {}, {}
     for k in tqdm(
         ks, desc=f"choosing k ({source.num_layers}->{target.num_layers} layers)", unit="k"
     ):
-        r2 = heldout_r2(split.train, split.heldout, top_k_selection(scores, k), geo, config.ridge)
-        per_k[k] = {kind: r2[kind].mean().item() for kind in KINDS}
-        per_layer[k] = r2
-    chosen = _choose_k(per_k, config) if config.top_k == "auto" else int(config.top_k)
-    selection = top_k_selection(scores, chosen)
+        per_layer[k] = heldout_r2(
+            split.train, split.heldout, top_k_selection(scores, k), geo, ridge
+        )
+        per_k[k] = {kind: per_layer[k][kind].mean().item() for kind in KINDS}
+    layer_ks = _choose_layer_ks(per_k, per_layer, config)
+    selection = [top_k_selection(scores, k)[layer] for layer, k in enumerate(layer_ks)]
+    if config.top_k == "auto-layer":
+        per_layer["chosen"] = heldout_r2(split.train, split.heldout, selection, geo, ridge)
+        per_k["chosen"] = {kind: per_layer["chosen"][kind].mean().item() for kind in KINDS}
+    chosen = "chosen" if config.top_k == "auto-layer" else layer_ks[0]
+    heldout = per_k[chosen]
     everything = {kind: split.train[kind].merged(split.heldout[kind]) for kind in KINDS}
-    maps = fit_maps(everything, selection, geo, config.ridge)
+    maps = fit_maps(everything, selection, geo, ridge)
     report = FitReport(
-        chosen_k=chosen, per_k=per_k, probe_scores=scores.float(),
+        chosen_k=max(layer_ks), layer_ks=layer_ks, per_k=per_k, probe_scores=scores.float(),
         r2_k=per_layer[chosen]["k"].tolist(), r2_v=per_layer[chosen]["v"].tolist(),
         train_tokens=split.train["k"].n, heldout_tokens=split.heldout["k"].n,
         capture_seconds=capture_seconds, solve_seconds=time.perf_counter() - started,
@@ -291,12 +321,12 @@ def fit_from_statistics(
     }
     mapper = KVMapper(source, target, selection, maps, config.ridge, config.sink_tokens, info)
     log.info(
-        "fitted %s -> %s: k=%d, held-out R2 K %.3f V %.3f",
+        "fitted %s -> %s: k=%s, held-out R2 K %.3f V %.3f",
         source.model_id,
         target.model_id,
-        chosen,
-        per_k[chosen]["k"],
-        per_k[chosen]["v"],
+        layer_ks if config.top_k == "auto-layer" else chosen,
+        heldout["k"],
+        heldout["v"],
     )
     return mapper, report
 
@@ -306,11 +336,27 @@ def _heldout_indices(n_windows: int, every: int) -> set[int]:
     return {i for i in range(n_windows) if (i + 1) % every == 0} or {n_windows - 1}
 
 
-def _choose_k(per_k: dict[int, dict[str, float]], config: CalibrationConfig) -> int:
-    """Smallest k whose held-out R^2 (mean of K and V) is within k_tolerance of the best."""
-    score = {k: (r["k"] + r["v"]) / 2 for k, r in per_k.items()}
+def _choose_layer_ks(per_k, per_layer, config: CalibrationConfig) -> list[int]:
+    """k of every target layer: fixed, one auto k for all, or an auto k per layer."""
+    layers = len(next(iter(per_layer.values()))["k"])
+    if config.top_k not in AUTO_K:
+        return [int(config.top_k)] * layers
+    if config.top_k == "auto":
+        return [_smallest_within(per_k, config.k_tolerance)] * layers
+    return [
+        _smallest_within(
+            {k: {kind: r[kind][layer] for kind in KINDS} for k, r in per_layer.items()},
+            config.k_tolerance,
+        )
+        for layer in range(layers)
+    ]
+
+
+def _smallest_within(r2_by_k: dict, tolerance: float) -> int:
+    """Smallest k whose held-out R^2 (mean of K and V) is within ``tolerance`` of the best."""
+    score = {k: (float(r["k"]) + float(r["v"])) / 2 for k, r in r2_by_k.items()}
     best = max(score.values())
-    return min(k for k, s in score.items() if s >= best - config.k_tolerance)
+    return min(k for k, s in score.items() if s >= best - tolerance)
 
 
 def _recipe(config: CalibrationConfig) -> dict[str, Any]:

@@ -8,16 +8,16 @@ from pathlib import Path
 
 import click
 
-from .calibrate import CalibrationConfig
+from .calibrate import AUTO_K, CalibrationConfig
 
 
 def _top_k(value: str) -> int | str:
-    if value == "auto":
+    if value in AUTO_K:
         return value
     try:
         return int(value)
     except ValueError:
-        raise click.BadParameter("expected 'auto' or a positive integer") from None
+        raise click.BadParameter("expected 'auto', 'auto-layer' or a positive integer") from None
 
 
 @click.group()
@@ -63,13 +63,19 @@ def main(verbose: bool) -> None:
     "top_k",
     default="auto",
     show_default=True,
-    help="Source layers per target layer, or 'auto' (chosen on held-out calibration tokens).",
+    help="Source layers per target layer: N, 'auto' (one k, chosen on held-out calibration "
+    "tokens) or 'auto-layer' (a k per target layer).",
 )
 @click.option(
     "--ridge",
     default=CalibrationConfig.ridge,
     show_default=True,
     help="Ridge lambda on the un-normalised Gram.",
+)
+@click.option(
+    "--ridge-relative",
+    is_flag=True,
+    help="Read --ridge as a multiple of the Gram's mean diagonal.",
 )
 @click.option(
     "--sink-tokens",
@@ -84,7 +90,17 @@ def main(verbose: bool) -> None:
     help="Keep every n-th calibration token.",
 )
 def fit(
-    source, target, out, calibration, tokens, window, top_k, ridge, sink_tokens, stride
+    source,
+    target,
+    out,
+    calibration,
+    tokens,
+    window,
+    top_k,
+    ridge,
+    ridge_relative,
+    sink_tokens,
+    stride,
 ) -> None:
     """Fit a SOURCE -> TARGET mapper (anything transformers loads) and save it as a pack."""
     from .calibrate import fit_mapper
@@ -94,6 +110,7 @@ def fit(
         window=window,
         top_k=_top_k(top_k),
         ridge=ridge,
+        ridge_relative=ridge_relative,
         sink_tokens=sink_tokens,
         stride=stride,
     )

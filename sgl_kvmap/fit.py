@@ -38,6 +38,22 @@ class Geometry:
         return torch.arange(layer * self.target_width, (layer + 1) * self.target_width)
 
 
+@dataclass(frozen=True)
+class Ridge:
+    """Ridge strength: ``value`` itself, or, if ``relative``, value x mean diagonal of the
+    centred Gram (so one setting means the same for features of any scale or width)."""
+
+    value: float
+    relative: bool = False
+
+    def for_gram(self, cxx: torch.Tensor) -> float:
+        return self.value * cxx.diagonal().mean().item() if self.relative else self.value
+
+
+def as_ridge(ridge: float | Ridge) -> Ridge:
+    return ridge if isinstance(ridge, Ridge) else Ridge(float(ridge))
+
+
 @dataclass
 class LayerMap:
     """Affine map of one target layer, K or V: y = x @ weight + bias.
@@ -47,12 +63,14 @@ class LayerMap:
     bias: torch.Tensor
 
 
-def ridge_solve(cxx: torch.Tensor, cxy: torch.Tensor, ridge: float) -> torch.Tensor:
+def ridge_solve(cxx: torch.Tensor, cxy: torch.Tensor, ridge: float | Ridge) -> torch.Tensor:
     """W = (cxx + ridge I)^-1 cxy. cxx: [d, d] centred Gram, cxy: [d, m]. Returns [d, m] float64."""
     return torch.cholesky_solve(cxy.to(ACC), _cholesky(cxx, ridge))
 
 
-def fit_affine(m: Moments, x_cols: torch.Tensor, y_cols: torch.Tensor, ridge: float, factor=None):
+def fit_affine(
+    m: Moments, x_cols: torch.Tensor, y_cols: torch.Tensor, ridge: float | Ridge, factor=None
+):
     """Ridge fit of y[:, y_cols] on x[:, x_cols]. Returns (w [dx, dy], b [dy]) float64.
     ``factor``: a Cholesky factor of this Gram to reuse (from ``_cholesky``)."""
     chol = factor if factor is not None else _cholesky(m.centered_gram(x_cols), ridge)
@@ -66,7 +84,7 @@ def r2_by_head(sse: torch.Tensor, sst: torch.Tensor, head_dim: int) -> torch.Ten
     return 1 - sse.reshape(-1, head_dim).sum(1) / sst.reshape(-1, head_dim).sum(1)
 
 
-def probe_scores(train: dict[str, Moments], geo: Geometry, ridge: float) -> torch.Tensor:
+def probe_scores(train: dict[str, Moments], geo: Geometry, ridge: float | Ridge) -> torch.Tensor:
     """Single-source-layer probe R^2 for every (target layer, source layer): [Lt, Ls].
 
     Averaged over target heads and over K and V, as the method prescribes.
@@ -105,7 +123,7 @@ def heldout_r2(
     heldout: dict[str, Moments],
     selection: list[list[int]],
     geo: Geometry,
-    ridge: float,
+    ridge: float | Ridge,
 ) -> dict[str, torch.Tensor]:
     """Held-out R^2 per target layer (mean over heads) of maps fitted on ``train``: kind -> [Lt]."""
     out = {}
@@ -121,7 +139,7 @@ def heldout_r2(
 
 
 def fit_maps(
-    moments: dict[str, Moments], selection: list[list[int]], geo: Geometry, ridge: float
+    moments: dict[str, Moments], selection: list[list[int]], geo: Geometry, ridge: float | Ridge
 ) -> dict[str, list[LayerMap]]:
     """Final float32 maps of every target layer for K and V: kind -> Lt x LayerMap."""
     return {
@@ -134,7 +152,7 @@ def fit_maps(
 
 
 def _fit_layers(
-    m: Moments, selection: list[list[int]], geo: Geometry, ridge: float
+    m: Moments, selection: list[list[int]], geo: Geometry, ridge: float | Ridge
 ) -> list[LayerMap]:
     factors: dict[tuple[int, ...], torch.Tensor] = {}  # layers sharing a selection share one factor
     maps = []
@@ -148,13 +166,14 @@ def _fit_layers(
     return maps
 
 
-def _cholesky(cxx: torch.Tensor, ridge: float) -> torch.Tensor:
+def _cholesky(cxx: torch.Tensor, ridge: float | Ridge) -> torch.Tensor:
     """Cholesky factor of cxx + ridge I.
 
     With fewer tokens than features the Gram is singular, and float32 accumulation leaves it
     slightly indefinite; then the factor is taken of its nearest PSD matrix (eigenvalues
     clamped at zero) plus ridge I, which is what the ridge solution means there.
     """
+    ridge = as_ridge(ridge).for_gram(cxx)
     eye = torch.eye(cxx.shape[0], dtype=ACC)
     factor, info = torch.linalg.cholesky_ex(cxx.to(ACC) + ridge * eye)
     if info.item() == 0:

@@ -73,8 +73,13 @@ def measure_speed(
     token_ids: torch.Tensor,
     repeats: int = 3,
     tail: int = 0,
+    prefill_seconds: float | None = None,
 ) -> SpeedReport:
-    """Time the translated path vs the target's prefill of ``token_ids: [tokens]``."""
+    """Time the translated path vs the target's prefill of ``token_ids: [tokens]``.
+
+    ``prefill_seconds``: a prefill time already measured for this target and prompt (it does
+    not depend on the mapper), to skip measuring it again.
+    """
     split = handoff_split(token_ids.numel(), tail)
     source_cache = capture_kv(source.model, token_ids[:split])
     translated = translate_prefix(mapper, source_cache, token_ids[:split], target.model)  # warm-up

@@ -90,6 +90,29 @@ def test_auto_k_prefers_the_smallest_sufficient_k(exact_problem):
     assert report.per_k[1]["k"] < 0.99 < report.per_k[2]["k"]
 
 
+def test_auto_layer_k_picks_each_layers_own_k(exact_problem):
+    *_, stats = exact_problem
+    mapper, report = fit_from_statistics(stats, CalibrationConfig(ridge=1e-6, top_k="auto-layer"))
+    assert report.layer_ks == [1, 2, 1, 2]  # the number of true sources of each target layer
+    assert [len(s) for s in mapper.selection] == report.layer_ks
+    assert min(report.r2_k) > 0.999 and report.heldout["v"] > 0.999
+
+
+def test_relative_ridge_scales_with_the_features(exact_problem):
+    """The same relative ridge gives the same map when every feature is scaled by 1000."""
+    from sgl_kvmap.fit import Ridge, fit_affine
+    from sgl_kvmap.stats import Moments
+
+    x, y = torch.randn(300, 6), torch.randn(300, 2)
+    maps = []
+    for scale in (1.0, 1000.0):
+        m = Moments.empty(torch.zeros(6), torch.zeros(2))
+        m.update(x * scale, y)
+        w, _ = fit_affine(m, torch.arange(6), torch.arange(2), Ridge(0.5, relative=True))
+        maps.append(w * scale)
+    torch.testing.assert_close(maps[0], maps[1], rtol=1e-4, atol=1e-6)
+
+
 def test_map_refuses_a_cache_of_another_geometry(exact_problem, tiny_pair):
     *_, stats = exact_problem
     mapper, _ = fit_from_statistics(stats, CalibrationConfig(ridge=1e-6, top_k=1))

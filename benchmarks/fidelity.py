@@ -1,0 +1,293 @@
+"""Fidelity loop on the real pair: run named configurations, one results row per direction.
+
+    python benchmarks/fidelity.py base-16k cal-64k sink-0 [--windows 16] [--tails 0,8,32,128]
+
+Each configuration fits both directions of the embedded Qwen2.5-Coder 0.5B/1.5B pair and
+evaluates them on held-out text (never calibration text, never used to choose settings), beside
+the target's own cache, the source alone and no prefix, at every tail length in --tails.
+Calibration statistics are cached per token budget under $SGL_KVMAP_CACHE/stats and grown
+from the largest smaller budget, so a new budget only captures the windows it adds.
+
+Writes benchmarks/results/fidelity.json (all rows, newest per config and direction win),
+benchmarks/results/fidelity.md (the table) and benchmarks/results/fidelity_tail.png (quality
+against recomputed tokens). No asserts: benchmarks measure.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import click
+
+from sgl_kvmap.calibrate import (
+    CalibrationConfig,
+    CalibrationState,
+    calibration_token_windows,
+    collect_statistics,
+    fit_from_statistics,
+    load_state,
+    save_state,
+    text_description,
+)
+from sgl_kvmap.capture import load_model
+from sgl_kvmap.default_pair import LARGE, SMALL, cache_root, ensure_model
+from sgl_kvmap.evaluate import EvalRuns, evaluate
+from sgl_kvmap.texts import default_eval_files, eval_windows, prompt_of_length
+from sgl_kvmap.timing import measure_speed
+
+RESULTS = Path(__file__).parent / "results"
+BASE = CalibrationConfig(tokens=16384)
+CONFIGS: dict[str, CalibrationConfig] = {
+    "base-16k": BASE,
+    "cal-8k": replace(BASE, tokens=8192),
+    "cal-32k": replace(BASE, tokens=32768),
+    "cal-64k": replace(BASE, tokens=65536),
+    "sink-0": replace(BASE, sink_tokens=0),
+    "sink-1": replace(BASE, sink_tokens=1),
+    "sink-16": replace(BASE, sink_tokens=16),
+    "k-1": replace(BASE, top_k=1),
+    "k-4": replace(BASE, top_k=4),
+    "k-all": replace(BASE, top_k=10_000),
+    "k-layer": replace(BASE, top_k="auto-layer"),
+    "ridge-rel-1e-3": replace(BASE, ridge=1e-3, ridge_relative=True),
+    "ridge-rel-1e-2": replace(BASE, ridge=1e-2, ridge_relative=True),
+    "ridge-rel-1e-1": replace(BASE, ridge=1e-1, ridge_relative=True),
+}
+DIRECTIONS = ("0.5B->1.5B", "1.5B->0.5B")
+CONDITIONS = ("reference", "mapped", "mapped_tail", "source", "no_prefix")
+
+
+@click.command()
+@click.argument("names", nargs=-1, required=True, type=click.Choice(sorted(CONFIGS)))
+@click.option("--windows", default=16, show_default=True, help="Evaluation windows.")
+@click.option("--prefix-len", default=1024, show_default=True)
+@click.option("--continuation", default=64, show_default=True)
+@click.option("--tails", default="0,8,32,128", show_default=True, help="Recomputed prompt tokens.")
+@click.option("--main-tail", default=32, show_default=True, help="Tail reported in the table.")
+@click.option("--speed-tokens", default=2048, show_default=True)
+def main(names, windows, prefix_len, continuation, tails, main_tail, speed_tokens) -> None:
+    tails = sorted({0, main_tail, *map(int, tails.split(","))})
+    small, large = load_model(str(ensure_model(SMALL))), load_model(str(ensure_model(LARGE)))
+    eval_ids = eval_windows(
+        large.tokenizer, default_eval_files(), prefix_len + continuation, windows
+    )
+    runs = EvalRuns(eval_ids, prefix_len, continuation)
+    prompt = prompt_of_length(large.tokenizer, speed_tokens)
+    prefill_seconds: dict[str, float] = {}
+    for name in names:
+        config = CONFIGS[name]
+        state = statistics_for(small, large, config)
+        for direction, stats, (source, target) in zip(
+            DIRECTIONS, (state.forward, state.reverse), ((small, large), (large, small))
+        ):
+            started = time.perf_counter()
+            mapper, fit = fit_from_statistics(stats, _effective(config, stats))
+            solve_seconds = time.perf_counter() - started
+            reports = {
+                t: evaluate(mapper, source, target, eval_ids, prefix_len, continuation, t, runs)
+                for t in tails
+            }
+            speeds = {
+                t: measure_speed(
+                    mapper,
+                    source,
+                    target,
+                    prompt,
+                    tail=t,
+                    prefill_seconds=prefill_seconds.get(direction),
+                )
+                for t in (0, main_tail)
+            }
+            prefill_seconds[direction] = speeds[0].prefill_seconds
+            row = _row(
+                name, direction, config, state, fit, solve_seconds, reports, speeds, main_tail
+            )
+            _record(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "tail_curve"}, indent=1))
+    _write_table()
+    _plot()
+
+
+def statistics_for(small, large, config: CalibrationConfig) -> CalibrationState:
+    """Both directions' statistics for ``config.tokens``, grown from the largest cached budget."""
+    folder = cache_root() / "stats"
+    folder.mkdir(parents=True, exist_ok=True)
+    key = f"qwen-coder-0.5b-1.5b-w{config.window}-skip{config.skip_first}-s{config.stride}"
+    key += f"-h{config.heldout_every}"
+    path = folder / f"{key}-t{config.tokens}.safetensors"
+    if path.exists():
+        return load_state(path, small.spec, large.spec)
+    smaller = sorted(
+        folder.glob(f"{key}-t*.safetensors"), key=lambda p: int(p.stem.rsplit("-t", 1)[1])
+    )
+    smaller = [p for p in smaller if int(p.stem.rsplit("-t", 1)[1]) < config.tokens]
+    state = load_state(smaller[-1], small.spec, large.spec) if smaller else None
+    windows = calibration_token_windows(small.tokenizer, None, config)
+    state = collect_statistics(small, large, windows, config, both_directions=True, state=state)
+    save_state(state, path)
+    return state
+
+
+def _effective(config: CalibrationConfig, stats) -> CalibrationConfig:
+    """'k-all' asks for every source layer, whatever the direction's layer count."""
+    if isinstance(config.top_k, int) and config.top_k > stats.source.num_layers:
+        return replace(config, top_k=stats.source.num_layers)
+    return config
+
+
+def _row(name, direction, config, state, fit, solve_seconds, reports, speeds, main_tail) -> dict:
+    base, tailed = reports[0], reports[main_tail]
+    fast, slow = speeds[0], speeds[main_tail]
+    return {
+        "config": name,
+        "direction": direction,
+        "calibration": {
+            "text": text_description(None),
+            "tokens": config.tokens,
+            "window": config.window,
+        },
+        "k": fit.chosen_k if config.top_k != "auto-layer" else "per layer",
+        "layer_ks": fit.layer_ks,
+        "ridge": f"{config.ridge}{' x mean diag' if config.ridge_relative else ''}",
+        "sink_tokens": config.sink_tokens,
+        "heldout_r2_k": fit.heldout["k"],
+        "heldout_r2_v": fit.heldout["v"],
+        "eval_r2_k": base.to_dict()["mean_r2_k"],
+        "eval_r2_v": base.to_dict()["mean_r2_v"],
+        "attention_cosine": base.to_dict()["mean_attention_cosine"],
+        "accuracy": {
+            n: getattr(tailed, n).accuracy
+            for n in ("reference", "mapped", "mapped_tail", "source", "no_prefix")
+        },
+        "nll": {
+            n: getattr(tailed, n).nll
+            for n in ("reference", "mapped", "mapped_tail", "source", "no_prefix")
+        },
+        "main_tail": main_tail,
+        "retention": base.retention,
+        "retention_tail": tailed.retention_tail,
+        "gap_closed": base.gap_closed,
+        "gap_closed_tail": tailed.gap_closed_tail,
+        "tail_curve": {
+            t: {"accuracy": r.mapped_tail.accuracy, "nll": r.mapped_tail.nll}
+            for t, r in reports.items()
+        },
+        "fit_seconds": state.capture_seconds + solve_seconds,
+        "capture_seconds": state.capture_seconds,
+        "translate": {
+            "tokens": fast.tokens,
+            "map_seconds": fast.map_seconds,
+            "sink_seconds": fast.sink_seconds,
+            "handoff_seconds": {0: fast.handoff_seconds, main_tail: slow.handoff_seconds},
+            "prefill_seconds": fast.prefill_seconds,
+            "speedup_map_sinks": fast.speedup,
+            "speedup_end_to_end": {0: fast.end_to_end_speedup, main_tail: slow.end_to_end_speedup},
+        },
+        "eval": {
+            "windows": base.windows,
+            "prefix_len": base.prefix_len,
+            "continuation": base.continuation,
+        },
+    }
+
+
+def _record(row: dict) -> None:
+    path = RESULTS / "fidelity.json"
+    rows = json.loads(path.read_text()) if path.exists() else []
+    rows = [r for r in rows if (r["config"], r["direction"]) != (row["config"], row["direction"])]
+    path.write_text(json.dumps(rows + [json.loads(json.dumps(row))], indent=1) + "\n")
+
+
+TABLE = [  # header, cell of one row
+    ("config", lambda r: r["config"]),
+    ("direction", lambda r: r["direction"]),
+    ("cal tokens", lambda r: str(r["calibration"]["tokens"])),
+    ("k", lambda r: str(r["k"])),
+    ("sinks", lambda r: str(r["sink_tokens"])),
+    ("R2 K / V held-out", lambda r: f"{r['heldout_r2_k']:.3f} / {r['heldout_r2_v']:.3f}"),
+    ("attn cos", lambda r: f"{r['attention_cosine']:.3f}"),
+    ("target", lambda r: f"{r['accuracy']['reference']:.3f}"),
+    ("mapped", lambda r: f"{r['accuracy']['mapped']:.3f}"),
+    ("+tail T", lambda r: f"{r['accuracy']['mapped_tail']:.3f}"),
+    ("source", lambda r: f"{r['accuracy']['source']:.3f}"),
+    ("no prefix", lambda r: f"{r['accuracy']['no_prefix']:.3f}"),
+    ("retention (0 / T)", lambda r: f"{_f(r['retention'])} / {_f(r['retention_tail'])}"),
+    ("gap closed (0 / T)", lambda r: f"{_f(r['gap_closed'])} / {_f(r['gap_closed_tail'])}"),
+    ("NLL mapped / +T", lambda r: f"{r['nll']['mapped']:.3f} / {r['nll']['mapped_tail']:.3f}"),
+    ("fit s", lambda r: f"{r['fit_seconds']:.0f}"),
+    (
+        "map+sinks s",
+        lambda r: f"{r['translate']['map_seconds'] + r['translate']['sink_seconds']:.2f}",
+    ),
+    ("x map+sinks", lambda r: f"{r['translate']['speedup_map_sinks']:.1f}"),
+    ("x end-to-end (0 / T)", lambda r: _end_to_end(r)),
+]
+
+
+def _end_to_end(r: dict) -> str:
+    e2e = r["translate"]["speedup_end_to_end"]
+    return f"{e2e['0']:.1f} / {e2e[str(r['main_tail'])]:.1f}"
+
+
+def _write_table() -> None:
+    rows = json.loads((RESULTS / "fidelity.json").read_text())
+    rows.sort(key=lambda r: (r["direction"], r["config"]))
+    lines = ["| " + " | ".join(h for h, _ in TABLE) + " |", "|" + " --- |" * len(TABLE)]
+    lines += ["| " + " | ".join(cell(r) for _, cell in TABLE) + " |" for r in rows]
+    note = (
+        "Accuracy: the target's top-1 next-token accuracy on the continuation (teacher-forced). "
+        "T: the row's main tail (prompt tokens recomputed by the target).\n"
+        "Speedups: target re-prefill time over map + sink tokens, and over the whole translated "
+        "path including the hand-off forward.\nWritten by `python benchmarks/fidelity.py`."
+    )
+    (RESULTS / "fidelity.md").write_text(
+        f"# Fidelity results\n\n{note}\n\n" + "\n".join(lines) + "\n"
+    )
+
+
+def _plot() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = json.loads((RESULTS / "fidelity.json").read_text())
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=False)
+    for ax, direction in zip(axes, DIRECTIONS):
+        chosen = [r for r in rows if r["direction"] == direction]
+        for r in chosen:
+            tails = sorted(r["tail_curve"], key=int)
+            ax.plot(
+                [int(t) for t in tails],
+                [r["tail_curve"][t]["accuracy"] for t in tails],
+                marker="o",
+                label=r["config"],
+            )
+        if chosen:
+            for key, style in (("reference", "--"), ("source", ":"), ("no_prefix", "-.")):
+                ax.axhline(
+                    chosen[0]["accuracy"][key],
+                    color="gray",
+                    linestyle=style,
+                    label=key.replace("_", " "),
+                )
+        ax.set(
+            title=direction,
+            xlabel="prompt tokens recomputed by the target (tail)",
+            ylabel="top-1 accuracy",
+            xscale="symlog",
+        )
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "fidelity_tail.png", dpi=120)
+
+
+def _f(x) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
+if __name__ == "__main__":
+    main()
