@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -360,17 +360,8 @@ def _smallest_within(r2_by_k: dict, tolerance: float) -> int:
 
 
 def _recipe(config: CalibrationConfig) -> dict[str, Any]:
-    keys = (
-        "window",
-        "skip_first",
-        "stride",
-        "heldout_every",
-        "ridge",
-        "top_k",
-        "k_tolerance",
-        "per_file_tokens",
-    )
-    return {key: getattr(config, key) for key in keys}
+    """Everything in the config that shaped the fit (tokens and text are recorded apart)."""
+    return {key: value for key, value in asdict(config).items() if key != "tokens"}
 
 
 def _loaded(model: str | LoadedModel) -> LoadedModel:

@@ -252,7 +252,7 @@ def _evaluate_window(mapper, src: OwnRun, truth: OwnRun, target, runs: EvalRuns,
         translated = translate_prefix(mapper, source_prefix, window[:split], target.model)
         out = run(target.model, window[split:], past=translated, logits_to_keep=keep)
         acc.add_scores(name, _scores(out.logits, labels))
-        if t == 0:
+        if name == "mapped":
             _add_layer_fidelity(acc, translated, truth, target, mapper.sink_tokens)
     acc.count += runs.continuation
     acc.windows += 1

@@ -123,3 +123,15 @@ def test_statistics_grown_in_steps_through_a_file_equal_one_pass(tiny_pair, tmp_
     assert whole.forward.heldout["k"].n == 3 * 63  # windows 3, 7, 11
     with pytest.raises(KVMapError, match="another model pair"):
         load_state(tmp_path / "stats.safetensors", target.spec, source.spec)
+
+
+def test_layer_fidelity_is_counted_once_whatever_the_tail(tiny_pair, text_dir):
+    source, target = tiny_pair
+    ((mapper, _),) = fit_mapper(source, target, [text_dir / "calib"], CalibrationConfig(**SMALL))
+    windows = eval_windows(target.tokenizer, expand_paths([text_dir / "eval"]), 80, 2)
+    at_zero = evaluate(mapper, source, target, windows, 48, 32, tail=0)
+    at_eight = evaluate(mapper, source, target, windows, 48, 32, tail=8)
+    assert at_zero.attention_cosine == pytest.approx(at_eight.attention_cosine)
+    assert at_zero.r2_k == pytest.approx(at_eight.r2_k)
+    assert max(at_zero.attention_cosine) <= 1 + 1e-6
+    assert at_zero.mapped_tail == at_zero.mapped
