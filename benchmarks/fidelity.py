@@ -106,9 +106,9 @@ def main(names, windows, prefix_len, continuation, tails, main_tail, speed_token
                 name, direction, config, state, fit, solve_seconds, reports, speeds, main_tail
             )
             _record(row)
+            _write_table()
+            _plot()
             print(json.dumps({k: v for k, v in row.items() if k != "tail_curve"}, indent=1))
-    _write_table()
-    _plot()
 
 
 def statistics_for(small, large, config: CalibrationConfig) -> CalibrationState:
@@ -274,12 +274,11 @@ def _plot() -> None:
                     linestyle=style,
                     label=key.replace("_", " "),
                 )
-        ax.set(
-            title=direction,
-            xlabel="prompt tokens recomputed by the target (tail)",
-            ylabel="top-1 accuracy",
-            xscale="symlog",
-        )
+        ticks = sorted({int(t) for r in chosen for t in r["tail_curve"]})
+        ax.set_xscale("symlog", linthresh=8)
+        ax.set(title=direction, xlabel="prompt tokens recomputed by the target (tail)")
+        ax.set(ylabel="top-1 accuracy", xticks=ticks, xticklabels=[str(t) for t in ticks])
+        ax.set_xlim(left=0)
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(RESULTS / "fidelity_tail.png", dpi=120)
