@@ -79,6 +79,7 @@ def main(names, windows, prefix_len, continuation, tails, main_tail, speed_token
     prefill_seconds: dict[str, float] = {}
     for name in names:
         config = CONFIGS[name]
+        state = None  # let the previous configuration's statistics go before loading the next
         state = statistics_for(small, large, config)
         for direction, stats, (source, target) in zip(
             DIRECTIONS, (state.forward, state.reverse), ((small, large), (large, small))

@@ -14,9 +14,7 @@ round trip stays exact when a scaled RoPE multiplies cos and sin by an attention
 
 from __future__ import annotations
 
-import functools
 import importlib
-import json
 from typing import NamedTuple
 
 import torch
@@ -55,18 +53,14 @@ def rotary_tables(module: torch.nn.Module, positions: torch.Tensor) -> RotaryTab
     return RotaryTables(_one_per_pair(cos, n_pairs), _one_per_pair(sin, n_pairs))
 
 
-@functools.lru_cache(maxsize=16)
-def _cached_module(config_json: str) -> torch.nn.Module:
-    from transformers import AutoConfig
-
-    data = json.loads(config_json)
-    return rotary_module(AutoConfig.for_model(data.pop("model_type"), **data))
+_MODULES: dict[str, torch.nn.Module] = {}  # spec fingerprint -> its rotary module
 
 
 def tables_for_spec(spec, positions: torch.Tensor) -> RotaryTables:
     """Rotary tables of the model described by a ModelSpec at ``positions: [tokens]``."""
-    module = _cached_module(json.dumps(spec.config, sort_keys=True, default=str))
-    cos, sin = rotary_tables(module, positions.to("cpu"))
+    if spec.fingerprint not in _MODULES:
+        _MODULES[spec.fingerprint] = rotary_module(spec.hf_config())
+    cos, sin = rotary_tables(_MODULES[spec.fingerprint], positions.to("cpu"))
     return RotaryTables(cos.to(positions.device), sin.to(positions.device))
 
 
