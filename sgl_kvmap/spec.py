@@ -7,6 +7,7 @@ its modules (QK-norm, rotary module), which costs no memory.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
@@ -52,7 +53,7 @@ class ModelSpec:
         """Features per token per layer for K (or V): num_kv_heads * head_dim."""
         return self.num_kv_heads * self.head_dim
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
         """sha256 of what shapes the KV cache: geometry, RoPE, config, tokenizer (not the id)."""
         payload = {k: v for k, v in self.to_dict().items() if k not in ("model_id", "revision")}
