@@ -56,6 +56,16 @@ CONFIGS: dict[str, CalibrationConfig] = {
     "ridge-rel-1e-2": replace(BASE, ridge=1e-2, ridge_relative=True),
     "ridge-rel-1e-1": replace(BASE, ridge=1e-1, ridge_relative=True),
 }
+CAL_64K = CONFIGS["cal-64k"]
+CONFIGS.update(
+    {
+        "64k-sink-16": replace(CAL_64K, sink_tokens=16),
+        "64k-k-layer": replace(CAL_64K, top_k="auto-layer"),
+        "64k-ridge-rel-1e-2": replace(CAL_64K, ridge=1e-2, ridge_relative=True),
+        "64k-k-4": replace(CAL_64K, top_k=4),
+    }
+)
+HELDOUT_SPLIT = "every 8th window (shares files with training windows)"
 DIRECTIONS = ("0.5B->1.5B", "1.5B->0.5B")
 CONDITIONS = ("reference", "mapped", "mapped_tail", "source", "no_prefix")
 
@@ -79,14 +89,13 @@ def main(names, windows, prefix_len, continuation, tails, main_tail, speed_token
     prefill_seconds: dict[str, float] = {}
     for name in names:
         config = CONFIGS[name]
-        state = None  # let the previous configuration's statistics go before loading the next
         state = statistics_for(small, large, config)
-        for direction, stats, (source, target) in zip(
-            DIRECTIONS, (state.forward, state.reverse), ((small, large), (large, small))
+        fits = [_timed_fit(stats, config) for stats in (state.forward, state.reverse)]
+        capture_seconds = state.capture_seconds
+        state = None  # the statistics (GBs) are not needed for evaluation
+        for direction, (mapper, fit, solve_seconds), (source, target) in zip(
+            DIRECTIONS, fits, ((small, large), (large, small))
         ):
-            started = time.perf_counter()
-            mapper, fit = fit_from_statistics(stats, _effective(config, stats))
-            solve_seconds = time.perf_counter() - started
             reports = {
                 t: evaluate(mapper, source, target, eval_ids, prefix_len, continuation, t, runs)
                 for t in tails
@@ -104,8 +113,9 @@ def main(names, windows, prefix_len, continuation, tails, main_tail, speed_token
             }
             prefill_seconds[direction] = speeds[0].prefill_seconds
             row = _row(
-                name, direction, config, state, fit, solve_seconds, reports, speeds, main_tail
-            )
+                name, direction, config, capture_seconds, fit, solve_seconds, reports, speeds,
+                main_tail,
+            )  # fmt: skip
             _record(row)
             _write_table()
             _plot()
@@ -132,6 +142,13 @@ def statistics_for(small, large, config: CalibrationConfig) -> CalibrationState:
     return state
 
 
+def _timed_fit(stats, config: CalibrationConfig):
+    """(mapper, fit report, solve seconds) of one direction."""
+    started = time.perf_counter()
+    mapper, fit = fit_from_statistics(stats, _effective(config, stats))
+    return mapper, fit, time.perf_counter() - started
+
+
 def _effective(config: CalibrationConfig, stats) -> CalibrationConfig:
     """'k-all' asks for every source layer, whatever the direction's layer count."""
     if isinstance(config.top_k, int) and config.top_k > stats.source.num_layers:
@@ -139,7 +156,9 @@ def _effective(config: CalibrationConfig, stats) -> CalibrationConfig:
     return config
 
 
-def _row(name, direction, config, state, fit, solve_seconds, reports, speeds, main_tail) -> dict:
+def _row(
+    name, direction, config, capture_seconds, fit, solve_seconds, reports, speeds, main_tail
+) -> dict:
     base, tailed = reports[0], reports[main_tail]
     fast, slow = speeds[0], speeds[main_tail]
     return {
@@ -149,6 +168,7 @@ def _row(name, direction, config, state, fit, solve_seconds, reports, speeds, ma
             "text": text_description(None),
             "tokens": config.tokens,
             "window": config.window,
+            "heldout_split": HELDOUT_SPLIT,
         },
         "k": fit.chosen_k if config.top_k != "auto-layer" else "per layer",
         "layer_ks": fit.layer_ks,
@@ -176,8 +196,8 @@ def _row(name, direction, config, state, fit, solve_seconds, reports, speeds, ma
             t: {"accuracy": r.mapped_tail.accuracy, "nll": r.mapped_tail.nll}
             for t, r in reports.items()
         },
-        "fit_seconds": state.capture_seconds + solve_seconds,
-        "capture_seconds": state.capture_seconds,
+        "fit_seconds": capture_seconds + solve_seconds,
+        "capture_seconds": capture_seconds,
         "translate": {
             "tokens": fast.tokens,
             "map_seconds": fast.map_seconds,
