@@ -26,7 +26,7 @@ from sgl_kvmap.calibrate import (
     CalibrationConfig,
     CalibrationState,
     calibration_token_windows,
-    collect_statistics,
+    collect_many,
     fit_from_statistics,
     load_state,
     save_state,
@@ -63,9 +63,14 @@ CONFIGS.update(
         "64k-k-layer": replace(CAL_64K, top_k="auto-layer"),
         "64k-ridge-rel-1e-2": replace(CAL_64K, ridge=1e-2, ridge_relative=True),
         "64k-k-4": replace(CAL_64K, top_k=4),
+        "64k-attn-0.5": replace(CAL_64K, attention_power=0.5),
+        "64k-attn-1": replace(CAL_64K, attention_power=1.0),
     }
 )
-HELDOUT_SPLIT = "every 8th window (shares files with training windows)"
+HELDOUT_SPLIT = "every 8th file"
+# token weightings captured together in one pass: unweighted for both directions, the
+# attention-weighted ones for 0.5B->1.5B only (each direction's statistics take GBs)
+WEIGHTINGS = {0.0: True, 0.5: False, 1.0: False}  # attention power -> both directions
 DIRECTIONS = ("0.5B->1.5B", "1.5B->0.5B")
 CONDITIONS = ("reference", "mapped", "mapped_tail", "source", "no_prefix")
 
@@ -90,12 +95,18 @@ def main(names, windows, prefix_len, continuation, tails, main_tail, speed_token
     for name in names:
         config = CONFIGS[name]
         state = statistics_for(small, large, config)
-        fits = [_timed_fit(stats, config) for stats in (state.forward, state.reverse)]
+        fits = [
+            _timed_fit(stats, config) if stats is not None else None
+            for stats in (state.forward, state.reverse)
+        ]
         capture_seconds = state.capture_seconds
         state = None  # the statistics (GBs) are not needed for evaluation
-        for direction, (mapper, fit, solve_seconds), (source, target) in zip(
+        for direction, fitted, (source, target) in zip(
             DIRECTIONS, fits, ((small, large), (large, small))
         ):
+            if fitted is None:
+                continue  # this weighting was captured for one direction only
+            mapper, fit, solve_seconds = fitted
             reports = {
                 t: evaluate(mapper, source, target, eval_ids, prefix_len, continuation, t, runs)
                 for t in tails
@@ -123,23 +134,41 @@ def main(names, windows, prefix_len, continuation, tails, main_tail, speed_token
 
 
 def statistics_for(small, large, config: CalibrationConfig) -> CalibrationState:
-    """Both directions' statistics for ``config.tokens``, grown from the largest cached budget."""
+    """Statistics for ``config`` (its budget and token weighting), from the cache or captured.
+
+    A capture grows every weighting in WEIGHTINGS at once (one pass of both models), starting
+    from the largest smaller budget cached for all of them, and caches each.
+    """
+    if config.attention_power not in WEIGHTINGS:
+        raise click.UsageError(f"attention power {config.attention_power} not in {WEIGHTINGS}")
+    path = _stats_path(config, config.attention_power, config.tokens)
+    if not path.exists():
+        cached = set.intersection(*(_cached_budgets(config, power) for power in WEIGHTINGS))
+        start = max((b for b in cached if b < config.tokens), default=None)
+        states = [
+            load_state(_stats_path(config, power, start), small.spec, large.spec)
+            if start
+            else CalibrationState.empty(small.spec, large.spec, both, power)
+            for power, both in WEIGHTINGS.items()
+        ]
+        windows = calibration_token_windows(small.tokenizer, None, config)
+        for power, state in zip(WEIGHTINGS, collect_many(small, large, windows, config, states)):
+            save_state(state, _stats_path(config, power, config.tokens))
+        states = None  # free them before loading the one asked for
+    return load_state(path, small.spec, large.spec)
+
+
+def _cached_budgets(config: CalibrationConfig, power: float) -> set[int]:
+    pattern = _stats_path(config, power, "*")
+    return {int(p.stem.rsplit("-t", 1)[1]) for p in pattern.parent.glob(pattern.name)}
+
+
+def _stats_path(config: CalibrationConfig, power: float, tokens) -> Path:
     folder = cache_root() / "stats"
     folder.mkdir(parents=True, exist_ok=True)
     key = f"qwen-coder-0.5b-1.5b-w{config.window}-skip{config.skip_first}-s{config.stride}"
-    key += f"-h{config.heldout_every}"
-    path = folder / f"{key}-t{config.tokens}.safetensors"
-    if path.exists():
-        return load_state(path, small.spec, large.spec)
-    smaller = sorted(
-        folder.glob(f"{key}-t*.safetensors"), key=lambda p: int(p.stem.rsplit("-t", 1)[1])
-    )
-    smaller = [p for p in smaller if int(p.stem.rsplit("-t", 1)[1]) < config.tokens]
-    state = load_state(smaller[-1], small.spec, large.spec) if smaller else None
-    windows = calibration_token_windows(small.tokenizer, None, config)
-    state = collect_statistics(small, large, windows, config, both_directions=True, state=state)
-    save_state(state, path)
-    return state
+    key += f"-files{config.heldout_every}-attn{power}"
+    return folder / f"{key}-t{tokens}.safetensors"
 
 
 def _timed_fit(stats, config: CalibrationConfig):
@@ -169,6 +198,7 @@ def _row(
             "tokens": config.tokens,
             "window": config.window,
             "heldout_split": HELDOUT_SPLIT,
+            "attention_power": config.attention_power,
         },
         "k": fit.chosen_k if config.top_k != "auto-layer" else "per layer",
         "layer_ks": fit.layer_ks,

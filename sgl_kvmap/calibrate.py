@@ -1,8 +1,10 @@
 """fit_mapper: run both models over calibration text, stream statistics, fit, select k.
 
 One pass over the text captures both models' caches window by window; each window goes to
-the training or the held-out statistics (every ``heldout_every``-th window is held out), and
-may feed both directions at once. Memory stays flat in the number of tokens.
+the training or the held-out statistics, and may feed both directions (and several token
+weightings) at once. Memory stays flat in the number of tokens. Held-out windows come from
+held-out FILES (every ``heldout_every``-th file of the shuffled list), so held-out R^2 measures
+text the maps were not fitted on, as choosing k requires.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from .capture import KVCache, LoadedModel, capture_kv, load_model
+from .capture import KVCache, LoadedModel, load_model, run
 from .errors import KVMapError
 from .fit import (
     KINDS,
@@ -35,7 +37,8 @@ from .mapper import KVMapper
 from .rope import tables_for_spec, unrope
 from .spec import ModelSpec, check_pair
 from .stats import Moments, moments_from_tensors, moments_to_tensors
-from .texts import calibration_windows, expand_paths, stdlib_files
+from .texts import calibration_windows, expand_paths, shuffled, stdlib_files
+from .token_weights import attention_received, token_weights
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +53,10 @@ class CalibrationConfig:
     tokens: total calibration tokens (train + held-out). window: tokens per forward (each
     window starts at position 0). skip_first: leading tokens of each window left out of the
     statistics (attention sinks). stride: keep every stride-th token. heldout_every: every
-    n-th window is held out for choosing k. ridge: lambda on the un-normalised centred Gram,
+    n-th window is held out for choosing k, drawn from every n-th calibration file (files are
+    never split between training and held-out). attention_power: weight each token by
+    (attention the target pays it, relative to uniform) ** power; 0 = unweighted.
+    ridge: lambda on the un-normalised centred Gram,
     or, with ridge_relative, a multiple of its mean diagonal. top_k: an int, "auto" (one k
     for all layers) or "auto-layer" (k per target layer); both autos take the smallest k
     whose held-out R^2 is within k_tolerance of the best. sink_tokens: leading tokens
@@ -68,6 +74,7 @@ class CalibrationConfig:
     k_tolerance: float = 0.01
     sink_tokens: int = 4
     per_file_tokens: int = 2048
+    attention_power: float = 0.0
 
     def __post_init__(self) -> None:
         if self.top_k not in AUTO_K and not (isinstance(self.top_k, int) and self.top_k >= 1):
@@ -79,6 +86,8 @@ class CalibrationConfig:
             )
         if not 0 <= self.skip_first < self.window or self.stride < 1 or self.heldout_every < 2:
             raise KVMapError("invalid skip_first / stride / heldout_every")
+        if self.attention_power < 0:
+            raise KVMapError(f"attention_power must be >= 0, got {self.attention_power}")
 
 
 @dataclass
@@ -128,15 +137,20 @@ class PairStatistics:
     heldout: dict[str, Moments] = field(default_factory=dict)
 
     def update(
-        self, x: dict[str, torch.Tensor], y: dict[str, torch.Tensor], held_out: bool
+        self,
+        x: dict[str, torch.Tensor],
+        y: dict[str, torch.Tensor],
+        held_out: bool,
+        weight: torch.Tensor | None = None,
     ) -> None:
-        """Add one window's ``content_features`` of the source (x) and the target (y)."""
+        """Add one window's ``content_features`` of the source (x) and the target (y), rows
+        weighted by ``weight: [rows]`` (None: unweighted)."""
         for kind in KINDS:
             if kind not in self.train:
                 shift_x, shift_y = x[kind].mean(0), y[kind].mean(0)
                 self.train[kind] = Moments.empty(shift_x, shift_y)
                 self.heldout[kind] = Moments.empty(shift_x, shift_y)
-            (self.heldout if held_out else self.train)[kind].update(x[kind], y[kind])
+            (self.heldout if held_out else self.train)[kind].update(x[kind], y[kind], weight)
 
 
 @dataclass
@@ -144,13 +158,22 @@ class CalibrationState:
     """Statistics after the first ``windows`` calibration windows; more windows can be added.
 
     Window i is held out when (i + 1) % heldout_every == 0, so a state grown in steps equals
-    one collected in a single pass over the same windows.
+    one collected in a single pass over the same windows. attention_power: the token weighting
+    (``CalibrationConfig.attention_power``) these statistics were collected with.
     """
 
     forward: PairStatistics
     reverse: PairStatistics | None
     windows: int = 0
     capture_seconds: float = 0.0
+    attention_power: float = 0.0
+
+    @classmethod
+    def empty(
+        cls, source: ModelSpec, target: ModelSpec, both_directions: bool, attention_power: float
+    ) -> CalibrationState:
+        reverse = PairStatistics(target, source) if both_directions else None
+        return cls(PairStatistics(source, target), reverse, attention_power=attention_power)
 
 
 def fit_mapper(
@@ -184,6 +207,7 @@ def save_state(state: CalibrationState, path: Path) -> None:
             for kind, m in getattr(stats, split).items():
                 tensors.update(moments_to_tensors(m, f"{name}.{split}.{kind}"))
     meta = {"windows": str(state.windows), "capture_seconds": str(state.capture_seconds)}
+    meta["attention_power"] = str(state.attention_power)
     meta["forward_fingerprints"] = (
         f"{state.forward.source.fingerprint},{state.forward.target.fingerprint}"
     )
@@ -209,21 +233,48 @@ def load_state(path: Path, source: ModelSpec, target: ModelSpec) -> CalibrationS
             for sp in ("train", "heldout")
         }
         directions.append(PairStatistics(s, t, split["train"], split["heldout"]))
-    return CalibrationState(*directions, int(meta["windows"]), float(meta["capture_seconds"]))
+    return CalibrationState(
+        *directions,
+        int(meta["windows"]),
+        float(meta["capture_seconds"]),
+        float(meta.get("attention_power", 0.0)),
+    )
 
 
 def calibration_token_windows(
     tokenizer, calibration, config: CalibrationConfig
 ) -> list[torch.Tensor]:
-    """The calibration windows ``[window]`` of token ids for ``config`` (stdlib by default)."""
-    files = expand_paths(calibration) if calibration else stdlib_files()
-    windows = list(
-        calibration_windows(tokenizer, files, config.window, config.tokens, config.per_file_tokens)
-    )
-    if len(windows) < 2:
+    """The calibration windows ``[window]`` of token ids for ``config`` (stdlib by default).
+
+    Window i is a held-out window when (i + 1) % heldout_every == 0 (as ``collect_statistics``
+    counts them); held-out windows are cut from every heldout_every-th file of the shuffled file
+    list (at least one file), training windows from the others, so no file feeds both. The list
+    for a budget is a prefix of the list for any larger budget (statistics can be grown).
+    """
+    files = shuffled(expand_paths(calibration) if calibration else stdlib_files())
+    every = config.heldout_every
+    heldout_files = files[every - 1 :: every] or files[-1:]
+    train_files = [f for f in files if f not in set(heldout_files)]
+    if not train_files:
+        raise KVMapError("calibration needs at least two text files (training and held-out)")
+    streams = {
+        held: calibration_windows(tokenizer, subset, config.window, 2**62, config.per_file_tokens)
+        for held, subset in ((False, train_files), (True, heldout_files))
+    }
+    planned = config.tokens // config.window
+    heldout = _heldout_indices(planned, every)
+    windows = []
+    for i in range(planned):
+        window = next(streams[i in heldout], None)
+        if window is None:
+            break
+        windows.append(window)
+    if len(windows) < 2 or heldout & set(range(len(windows))) != _heldout_indices(
+        len(windows), every
+    ):
         raise KVMapError(
-            f"calibration text gave {len(windows)} window(s) of {config.window} tokens; "
-            "need 2 or more"
+            f"calibration text gave {len(windows)} window(s) of {config.window} tokens, too few "
+            f"for a training / held-out split (every {every}th window); pass more text"
         )
     return windows
 
@@ -241,24 +292,69 @@ def collect_statistics(
     state: CalibrationState | None = None,
 ) -> CalibrationState:
     """Run both models over ``windows`` (those past ``state.windows`` when resuming) and add
-    every window's content-space K/V to the statistics of one or both directions."""
+    every window's content-space K/V to the statistics of one or both directions, tokens
+    weighted as ``config.attention_power`` says."""
     if state is None:
-        reverse = PairStatistics(tgt.spec, src.spec) if both_directions else None
-        state = CalibrationState(PairStatistics(src.spec, tgt.spec), reverse)
+        state = CalibrationState.empty(src.spec, tgt.spec, both_directions, config.attention_power)
     if both_directions and state.reverse is None:
         raise KVMapError("cannot add the reverse direction to statistics collected without it")
+    if state.attention_power != config.attention_power:
+        raise KVMapError(
+            f"statistics weighted with attention power {state.attention_power} cannot be grown "
+            f"with power {config.attention_power}"
+        )
+    (state,) = collect_many(src, tgt, windows, config, [state])
+    return state
+
+
+def collect_many(
+    src: LoadedModel,
+    tgt: LoadedModel,
+    windows: list[torch.Tensor],
+    config: CalibrationConfig,
+    states: list[CalibrationState],
+) -> list[CalibrationState]:
+    """Grow several statistics (each its own token weighting and directions) in ONE pass over
+    ``windows``: each model runs once per window whatever the number of states. All states
+    must hold the same number of windows."""
+    done = {state.windows for state in states}
+    if len(done) != 1:
+        raise KVMapError(f"statistics to grow together hold different window counts: {done}")
+    powers = {state.attention_power for state in states} - {0.0}
     heldout = _heldout_indices(len(windows), config.heldout_every)
     rows = slice(config.skip_first, None, config.stride)
     started = time.perf_counter()
-    for i in tqdm(range(state.windows, len(windows)), desc="calibration windows", unit="win"):
-        src_features = content_features(capture_kv(src.model, windows[i]), src.spec, rows)
-        tgt_features = content_features(capture_kv(tgt.model, windows[i]), tgt.spec, rows)
-        state.forward.update(src_features, tgt_features, i in heldout)
-        if state.reverse is not None:
-            state.reverse.update(tgt_features, src_features, i in heldout)
-    state.windows = len(windows)
-    state.capture_seconds += time.perf_counter() - started
-    return state
+    for i in tqdm(range(done.pop(), len(windows)), desc="calibration windows", unit="win"):
+        (src_features, src_received), (tgt_features, tgt_received) = (
+            _window_features(model, windows[i], rows, want_attention=bool(powers))
+            for model in (src, tgt)
+        )
+        for state in states:
+            power = state.attention_power
+            state.forward.update(
+                src_features, tgt_features, i in heldout, _weights(tgt_received, power)
+            )
+            if state.reverse is not None:
+                state.reverse.update(
+                    tgt_features, src_features, i in heldout, _weights(src_received, power)
+                )
+    for state in states:
+        state.windows = len(windows)
+        state.capture_seconds += time.perf_counter() - started
+    return states
+
+
+def _window_features(model: LoadedModel, ids: torch.Tensor, rows: slice, want_attention: bool):
+    """(content_features of one window, attention each kept row receives or None)."""
+    result = run(model.model, ids, want_queries=want_attention)
+    features = content_features(result.cache, model.spec, rows)
+    if not want_attention:
+        return features, None
+    return features, attention_received(result.queries, result.cache.keys)[rows]
+
+
+def _weights(received: torch.Tensor | None, power: float) -> torch.Tensor | None:
+    return None if power == 0 else token_weights(received, power)
 
 
 def content_features(cache: KVCache, spec: ModelSpec, rows: slice) -> dict[str, torch.Tensor]:
@@ -312,7 +408,7 @@ def fit_from_statistics(
     report = FitReport(
         chosen_k=max(layer_ks), layer_ks=layer_ks, per_k=per_k, probe_scores=scores.float(),
         r2_k=per_layer[chosen]["k"].tolist(), r2_v=per_layer[chosen]["v"].tolist(),
-        train_tokens=split.train["k"].n, heldout_tokens=split.heldout["k"].n,
+        train_tokens=round(split.train["k"].n), heldout_tokens=round(split.heldout["k"].n),
         capture_seconds=capture_seconds, solve_seconds=time.perf_counter() - started,
     )  # fmt: skip
     info = {

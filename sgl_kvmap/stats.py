@@ -5,6 +5,9 @@ sum y', X'^T X', X'^T Y' and the per-column sum of y'^2. The shift (the first ba
 the centred Gram accurate when features have large means (attention-sink outliers), so each
 batch's products can run in float32 while the sums are kept in float64. Moments with equal
 shifts add, so a fit can be split over processes and all-reduced (torch.distributed) as is.
+
+Rows may carry weights (weighted least squares): every sum is then weighted and ``n`` is the
+sum of the weights, so all formulas below hold unchanged.
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ ACC = torch.float64
 
 @dataclass
 class Moments:
-    """Raw moments of (x', y'). x: [n, dx] features, y: [n, dy] targets; all sums float64."""
+    """Raw moments of (x', y'). x: [n, dx] features, y: [n, dy] targets; all sums float64.
+    n: the number of rows, or the sum of their weights."""
 
     shift_x: torch.Tensor  # [dx]
     shift_y: torch.Tensor  # [dy]
-    n: int
+    n: float
     sum_x: torch.Tensor  # [dx]
     sum_y: torch.Tensor  # [dy]
     xx: torch.Tensor  # [dx, dx]
@@ -54,25 +58,32 @@ class Moments:
     def mean_y(self) -> torch.Tensor:
         return self.shift_y + self.sum_y / self.n
 
-    def update(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Add rows. x: [n, dx], y: [n, dy] (any float dtype; products in float32)."""
+    def update(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor | None = None) -> None:
+        """Add rows. x: [n, dx], y: [n, dy] (any float dtype; products in float32);
+        weight: [n] non-negative row weights (None: all 1)."""
         if (
             x.shape[0] != y.shape[0]
             or x.shape[1] != self.sum_x.numel()
             or y.shape[1] != self.sum_y.numel()
+            or (weight is not None and weight.shape != (x.shape[0],))
         ):
             raise KVMapError(
-                f"moments of width ({self.sum_x.numel()}, {self.sum_y.numel()}) "
-                f"got {tuple(x.shape)}, {tuple(y.shape)}"
+                f"moments of width ({self.sum_x.numel()}, {self.sum_y.numel()}) got "
+                f"{tuple(x.shape)}, {tuple(y.shape)}"
+                + ("" if weight is None else f", weight {tuple(weight.shape)}")
             )
         xs = x.float() - self.shift_x.float()
         ys = y.float() - self.shift_y.float()
-        self.n += x.shape[0]
-        self.sum_x += xs.sum(0, dtype=ACC)
-        self.sum_y += ys.sum(0, dtype=ACC)
-        self.xx += (xs.T @ xs).to(ACC)
-        self.xy += (xs.T @ ys).to(ACC)
-        self.yy += ys.square().sum(0, dtype=ACC)
+        w = torch.ones(x.shape[0]) if weight is None else weight.float()
+        if (w < 0).any():
+            raise KVMapError("row weights must be non-negative")
+        xw = xs * w[:, None]
+        self.n += x.shape[0] if weight is None else w.sum(dtype=ACC).item()
+        self.sum_x += xw.sum(0, dtype=ACC)
+        self.sum_y += (ys * w[:, None]).sum(0, dtype=ACC)
+        self.xx += (xw.T @ xs).to(ACC)
+        self.xy += (xw.T @ ys).to(ACC)
+        self.yy += (ys.square() * w[:, None]).sum(0, dtype=ACC)
 
     def merged(self, other: Moments) -> Moments:
         """Moments of the union of both samples (shifts must be equal)."""
@@ -145,12 +156,13 @@ MOMENT_FIELDS = ("shift_x", "shift_y", "sum_x", "sum_y", "xx", "xy", "yy")
 
 
 def moments_to_tensors(m: Moments, prefix: str) -> dict[str, torch.Tensor]:
-    """Flat ``{prefix.field: tensor}`` for safetensors (``n`` is stored as a 0-d tensor)."""
+    """Flat ``{prefix.field: tensor}`` for safetensors (``n``: a 0-d int64, or float64 when
+    the rows were weighted)."""
     out = {f"{prefix}.{name}": getattr(m, name).contiguous() for name in MOMENT_FIELDS}
-    out[f"{prefix}.n"] = torch.tensor(m.n, dtype=torch.int64)
+    out[f"{prefix}.n"] = torch.tensor(m.n, dtype=torch.int64 if isinstance(m.n, int) else ACC)
     return out
 
 
 def moments_from_tensors(tensors: dict[str, torch.Tensor], prefix: str) -> Moments:
     fields = {name: tensors[f"{prefix}.{name}"] for name in MOMENT_FIELDS}
-    return Moments(n=int(tensors[f"{prefix}.n"]), **fields)
+    return Moments(n=tensors[f"{prefix}.n"].item(), **fields)

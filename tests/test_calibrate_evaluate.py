@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -135,3 +137,30 @@ def test_layer_fidelity_is_counted_once_whatever_the_tail(tiny_pair, text_dir):
     assert at_zero.r2_k == pytest.approx(at_eight.r2_k)
     assert max(at_zero.attention_cosine) <= 1 + 1e-6
     assert at_zero.mapped_tail == at_zero.mapped
+
+
+def test_heldout_windows_come_from_files_no_training_window_reads(tmp_path):
+    """Choosing k needs text the maps never saw: no file feeds both splits."""
+    from sgl_kvmap.calibrate import _heldout_indices, calibration_token_windows
+
+    letters = "abcdefghijklmnop"
+    for letter in letters:
+        (tmp_path / f"{letter}.txt").write_text(letter * 300)
+    tokenizer = char_tokenizer()
+    config = CalibrationConfig(tokens=64 * 16, window=64, heldout_every=4)
+    windows = calibration_token_windows(tokenizer, [tmp_path], config)
+    assert len(windows) == 16
+    heldout = _heldout_indices(len(windows), 4)
+    chars = [set(w.tolist()) for w in windows]  # one id per letter, one letter per file
+    seen_heldout = set().union(*(c for i, c in enumerate(chars) if i in heldout))
+    seen_train = set().union(*(c for i, c in enumerate(chars) if i not in heldout))
+    assert seen_heldout and seen_train and not seen_heldout & seen_train
+    bigger = calibration_token_windows(tokenizer, [tmp_path], replace(config, tokens=64 * 32))
+    assert all(torch.equal(a, b) for a, b in zip(windows, bigger))  # statistics can be grown
+    (tmp_path / "short").mkdir()
+    for name in ("x.txt", "y.txt"):
+        (tmp_path / "short" / name).write_text("x" * 100)  # one window each
+    with pytest.raises(KVMapError, match="too few"):
+        calibration_token_windows(tokenizer, [tmp_path / "short"], config)
+    with pytest.raises(KVMapError, match="two text files"):
+        calibration_token_windows(tokenizer, [tmp_path / "a.txt"], config)
