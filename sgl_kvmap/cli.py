@@ -89,6 +89,13 @@ def main(verbose: bool) -> None:
     show_default=True,
     help="Keep every n-th calibration token.",
 )
+@click.option(
+    "--attention-power",
+    default=CalibrationConfig.attention_power,
+    show_default=True,
+    help="Weight calibration tokens by the attention the target pays them, to this power "
+    "(0: unweighted).",
+)
 def fit(
     source,
     target,
@@ -101,6 +108,7 @@ def fit(
     ridge_relative,
     sink_tokens,
     stride,
+    attention_power,
 ) -> None:
     """Fit a SOURCE -> TARGET mapper (anything transformers loads) and save it as a pack."""
     from .calibrate import fit_mapper
@@ -113,6 +121,7 @@ def fit(
         ridge_relative=ridge_relative,
         sink_tokens=sink_tokens,
         stride=stride,
+        attention_power=attention_power,
     )
     ((mapper, report),) = fit_mapper(source, target, list(calibration) or None, config)
     mapper.save_pretrained(out)

@@ -30,6 +30,8 @@ def fitted_pack(model_dirs, text_dir, tmp_path_factory):
         "128",
         "--top-k",
         "2",
+        "--attention-power",
+        "0.5",
     ]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
@@ -41,6 +43,8 @@ def test_fit_writes_a_valid_pack_and_prints_its_summary(fitted_pack):
     summary = json.loads(output[: output.rindex("}") + 1])
     assert summary["k"] == 2 and summary["train_tokens"] > 0
     assert (out / "mapper.safetensors").is_file()
+    recipe = json.loads((out / "kvmap.json").read_text())["calibration"]
+    assert recipe["attention_power"] == 0.5 and recipe["heldout_every"] == 8
 
 
 def test_inspect_shows_the_pair(fitted_pack, model_dirs):
