@@ -75,7 +75,7 @@ class KVMapper:
         )
         features = {
             "k": [
-                unrope(k, src_tables, self.source.rope_style).reshape(t, -1)
+                unrope(k.float(), src_tables, self.source.rope_style).reshape(t, -1)
                 for k in source_cache.keys
             ],
             "v": [v.float().reshape(t, -1) for v in source_cache.values],

@@ -96,3 +96,30 @@ def save_loaded(loaded: LoadedModel, folder) -> str:
     loaded.model.save_pretrained(folder)
     loaded.tokenizer.save_pretrained(folder)
     return str(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_mapper(tiny_pair):
+    """A mapper of ``tiny_pair`` (source -> target) fitted on random token windows."""
+    from sgl_kvmap.calibrate import (
+        CalibrationConfig,
+        PairStatistics,
+        content_features,
+        fit_from_statistics,
+    )
+    from sgl_kvmap.capture import capture_kv
+
+    source, target = tiny_pair
+    stats = PairStatistics(source.spec, target.spec)
+    generator = torch.Generator().manual_seed(0)
+    for i in range(6):
+        ids = torch.randint(0, 100, (64,), generator=generator)
+        stats.update(
+            *(
+                content_features(capture_kv(m.model, ids), m.spec, slice(1, None))
+                for m in (source, target)
+            ),
+            held_out=i == 5,
+        )
+    mapper, _ = fit_from_statistics(stats, CalibrationConfig(top_k=2, sink_tokens=0))
+    return mapper
