@@ -209,6 +209,8 @@ def _row(
         "eval_r2_k": base.to_dict()["mean_r2_k"],
         "eval_r2_v": base.to_dict()["mean_r2_v"],
         "attention_cosine": base.to_dict()["mean_attention_cosine"],
+        "attention_cosine_by_layer": base.attention_cosine,
+        "r2_by_layer": {"k": base.r2_k, "v": base.r2_v},
         "accuracy": {
             n: getattr(tailed, n).accuracy
             for n in ("reference", "mapped", "mapped_tail", "source", "no_prefix")
