@@ -101,6 +101,11 @@ def save_loaded(loaded: LoadedModel, folder) -> str:
 @pytest.fixture(scope="session")
 def tiny_mapper(tiny_pair):
     """A mapper of ``tiny_pair`` (source -> target) fitted on random token windows."""
+    return fit_tiny_mapper(*tiny_pair)
+
+
+def fit_tiny_mapper(source: LoadedModel, target: LoadedModel, top_k: int = 2):
+    """A source -> target mapper fitted on six random windows of 64 tokens (no sink tokens)."""
     from sgl_kvmap.calibrate import (
         CalibrationConfig,
         PairStatistics,
@@ -109,7 +114,6 @@ def tiny_mapper(tiny_pair):
     )
     from sgl_kvmap.capture import capture_kv
 
-    source, target = tiny_pair
     stats = PairStatistics(source.spec, target.spec)
     generator = torch.Generator().manual_seed(0)
     for i in range(6):
@@ -121,5 +125,5 @@ def tiny_mapper(tiny_pair):
             ),
             held_out=i == 5,
         )
-    mapper, _ = fit_from_statistics(stats, CalibrationConfig(top_k=2, sink_tokens=0))
+    mapper, _ = fit_from_statistics(stats, CalibrationConfig(top_k=top_k, sink_tokens=0))
     return mapper
