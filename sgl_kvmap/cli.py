@@ -247,5 +247,43 @@ def demo(tokens, windows, prefix_len, continuation, tail, bench_tokens, out) -> 
     )
 
 
+@main.command(name="sglang-args")
+@click.option(
+    "--engine",
+    "engines",
+    multiple=True,
+    required=True,
+    help="MODEL_PATH or MODEL_PATH=SERVED_NAME of one SGLang engine (repeat for each).",
+)
+@click.option(
+    "--pack",
+    "packs",
+    multiple=True,
+    type=click.Path(exists=True, file_okay=False),
+    help="A mapper pack between two of the engines (repeat; one per direction).",
+)
+@click.option(
+    "--store",
+    default="file",
+    show_default=True,
+    help="Built-in HiCache store the engines share: file (one node), mooncake or hf3fs.",
+)
+@click.option("--store-path", default="/tmp/sgl-kvmap-hicache", show_default=True)
+@click.option("--page-size", default=64, show_default=True)
+@click.option("--port", default=30000, show_default=True, help="First engine's port (+1 each).")
+@click.option("--tp", "tp_size", default=1, show_default=True, help="Tensor parallel size.")
+def sglang_args(engines, packs, store, store_path, page_size, port, tp_size) -> None:
+    """Print the SGLang launch command of every ENGINE, sharing prefixes through sgl-kvmap."""
+    from .sglang.launch import EngineSpec, engine_commands, shell_line
+
+    specs = [
+        EngineSpec(*engine.split("=", 1), port=port + i, tp_size=tp_size)
+        for i, engine in enumerate(engines)
+    ]
+    for spec, argv in zip(specs, engine_commands(specs, list(packs), store, store_path, page_size)):
+        click.echo(f"# {spec.name}")
+        click.echo(shell_line(argv))
+
+
 if __name__ == "__main__":
     main()

@@ -94,3 +94,41 @@ def test_bad_top_k_is_a_usage_error(model_dirs, tmp_path):
         main, ["fit", *model_dirs, "--out", str(tmp_path / "p"), "--top-k", "lots"]
     )
     assert result.exit_code == 2 and "auto" in result.output
+
+
+def test_sglang_args_give_the_target_its_peer_and_pack(fitted_pack, model_dirs):
+    import shlex
+
+    from sgl_kvmap.sglang import StorageSettings
+
+    source, target = model_dirs
+    args = ["sglang-args", "--engine", source, "--engine", f"{target}=big", "--pack"]
+    result = CliRunner().invoke(main, [*args, str(fitted_pack[0]), "--port", "31000"])
+    assert result.exit_code == 0, result.output
+    commands = [shlex.split(line) for line in result.output.splitlines() if line.startswith("py")]
+    assert len(commands) == 2
+    flags = [launch_flags(c[3:]) for c in commands]
+    assert [f["--port"] for f in flags] == ["31000", "31001"]
+    assert flags[1]["--served-model-name"] == "big"
+    assert all(f["--hicache-storage-backend"] == "dynamic" for f in flags)
+    assert all("--enable-hierarchical-cache" in f for f in flags)
+    extra = [json.loads(f["--hicache-storage-backend-extra-config"]) for f in flags]
+    assert extra[1]["hicache_storage_pass_prefix_keys"] is True and extra[1]["interface_v1"] == 1
+    to_target = StorageSettings.from_extra_config(extra[1])
+    assert to_target.translate and [p.model_name for p in to_target.peers] == [source]
+    assert to_target.peers[0].pack == str(fitted_pack[0].resolve())
+    assert not StorageSettings.from_extra_config(extra[0]).translate  # no pack INTO the source
+    wrong = CliRunner().invoke(
+        main, ["sglang-args", "--engine", source, "--pack", str(fitted_pack[0])]
+    )
+    assert wrong.exit_code != 0 and "not both among the engines" in str(wrong.exception)
+
+
+def launch_flags(argv: list[str]) -> dict[str, str | None]:
+    """--flag value pairs (None for a bare flag)."""
+    flags, i = {}, 0
+    while i < len(argv):
+        has_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+        flags[argv[i]] = argv[i + 1] if has_value else None
+        i += 2 if has_value else 1
+    return flags
