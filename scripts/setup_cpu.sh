@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Install sgl-kvmap (editable, with test tools) and SGLang 0.5.23 into the current Python on a
+# CPU-only machine. SGLang's own pins pull CUDA wheels; here torch 2.14.1 / torchvision 0.29.1
+# (its pin, CUDA builds that run on CPU) come from the machine's local package index, SGLang
+# itself is installed without its GPU dependencies, and only the pure-Python packages its
+# KV-cache layer imports are added. On a GPU machine use `pip install -e '.[sglang]'` instead.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+pip install -q torch==2.14.1 torchvision==0.29.1 nvidia-nvjitlink==13.4.92
+pip install -q --no-deps sglang==0.5.23
+pip install -q torch==2.14.1 orjson psutil pybase64 requests packaging starlette msgspec pydantic \
+  pyzmq tqdm ipython aiohttp dill einops gguf partial-json-parser transformers==5.19.0 \
+  tokenizers==0.23.2 apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 compressed-tensors==0.18.0 \
+  openai==2.8.0
+pip install -q torch==2.14.1 transformers==5.19.0 -e '.[dev,bench]'
+python -c "import sglang.srt.mem_cache.hicache_storage, sgl_kvmap; print('sgl-kvmap ready')"
