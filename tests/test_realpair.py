@@ -75,6 +75,44 @@ def test_real_pack_round_trip(fitted, pair, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(loaded.map(cache).keys, mapper.map(cache).keys))
 
 
+def test_sglang_engines_hand_a_real_prefix_from_the_0_5b_to_the_1_5b(fitted, pair, tmp_path):
+    """Real SGLang 0.5.23 pools, trees and store: the 1.5B continues from pages the 0.5B
+    stored, translated by KVMapStorage, exactly as from the reference mapper's output."""
+    import dataclasses
+
+    from sgl_kvmap.sglang import PeerSettings, StorageSettings
+
+    from .sglang_engines import PAGE, Engine
+    from .test_sglang import bf16, continuation_logits
+
+    small, large = pair
+    mapper = dataclasses.replace(fitted[0][0], sink_tokens=4)
+    pack = mapper.save_pretrained(tmp_path / "pack")
+    names = str(ensure_model(SMALL)), str(ensure_model(LARGE))
+    peer = PeerSettings(model_name=names[0], pack=str(pack))
+    store = {"file_storage_path": str(tmp_path / "store")}
+    off = StorageSettings().to_extra_config(**store)
+    on = StorageSettings(translate=True, interface_v1=True, peers=(peer,)).to_extra_config(**store)
+    window = eval_windows(large.tokenizer, default_eval_files(), 32 * PAGE + 24, 1)[0].tolist()
+    prompt = window[: 32 * PAGE]
+    source = Engine.build(small, names[0], off)
+    assert all(source.back_up(prompt, source.prefill(prompt)))
+    target = Engine.build(large, names[1], on)
+    assert all(target.back_up(prompt[:PAGE], target.prefill(prompt[:PAGE])))
+    target.tree.reset()
+    assert target.fetch(window) == len(prompt)
+    assert target.storage.counters["translated_pages"] == 31
+    source_kv = bf16(capture_kv(small.model, torch.tensor(prompt)))
+    own = capture_kv(large.model, torch.tensor(prompt[:PAGE]))
+    reference = bf16(mapper.map(source_kv).replace_front(own.slice(0, PAGE)))
+    cached = target.cached(window)
+    assert all(torch.equal(a, b) for a, b in zip(cached.keys, reference.keys))
+    torch.testing.assert_close(
+        continuation_logits(target, window, cached),
+        continuation_logits(target, window, reference),
+    )
+
+
 # Measured with BUDGET on 2026-11-30 (0.5B->1.5B, 1.5B->0.5B): held-out R2 K 0.593 / 0.705,
 # V 0.322 / 0.461; accuracy over no-prefix +0.125 / +0.167 (96 tokens, so noisy); NLL 2.36 vs
 # 3.62 and 2.39 vs 4.18; attention cosine 0.911 / 0.927. Floors leave margin for BLAS noise.
