@@ -83,7 +83,14 @@ CONDITIONS = ("reference", "mapped", "mapped_tail", "source", "no_prefix")
 @click.option("--tails", default="0,8,32,128", show_default=True, help="Recomputed prompt tokens.")
 @click.option("--main-tail", default=32, show_default=True, help="Tail reported in the table.")
 @click.option("--speed-tokens", default=2048, show_default=True)
-def main(names, windows, prefix_len, continuation, tails, main_tail, speed_tokens) -> None:
+@click.option(
+    "--direction",
+    "directions",
+    multiple=True,
+    type=click.Choice(DIRECTIONS),
+    help="Evaluate only these directions (default: both).",
+)
+def main(names, windows, prefix_len, continuation, tails, main_tail, speed_tokens, directions):
     tails = sorted({0, main_tail, *map(int, tails.split(","))})
     small, large = load_model(str(ensure_model(SMALL))), load_model(str(ensure_model(LARGE)))
     eval_ids = eval_windows(
@@ -104,8 +111,8 @@ def main(names, windows, prefix_len, continuation, tails, main_tail, speed_token
         for direction, fitted, (source, target) in zip(
             DIRECTIONS, fits, ((small, large), (large, small))
         ):
-            if fitted is None:
-                continue  # this weighting was captured for one direction only
+            if fitted is None or (directions and direction not in directions):
+                continue  # not asked for, or this weighting was captured for one direction only
             mapper, fit, solve_seconds = fitted
             reports = {
                 t: evaluate(mapper, source, target, eval_ids, prefix_len, continuation, t, runs)
