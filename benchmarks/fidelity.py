@@ -102,16 +102,18 @@ def main(names, windows, prefix_len, continuation, tails, main_tail, speed_token
     for name in names:
         config = CONFIGS[name]
         state = statistics_for(small, large, config)
-        fits = [
-            _timed_fit(stats, config) if stats is not None else None
-            for stats in (state.forward, state.reverse)
+        wanted = [
+            stats if stats is not None and (not directions or d in directions) else None
+            for d, stats in zip(DIRECTIONS, (state.forward, state.reverse))
         ]
+        fits = [_timed_fit(stats, config) if stats is not None else None for stats in wanted]
+        wanted = None
         capture_seconds = state.capture_seconds
         state = None  # the statistics (GBs) are not needed for evaluation
         for direction, fitted, (source, target) in zip(
             DIRECTIONS, fits, ((small, large), (large, small))
         ):
-            if fitted is None or (directions and direction not in directions):
+            if fitted is None:
                 continue  # not asked for, or this weighting was captured for one direction only
             mapper, fit, solve_seconds = fitted
             reports = {
