@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections import Counter, OrderedDict
 
 import torch
@@ -57,6 +58,7 @@ class Peer:
     def fetch(self, keys: list[str]) -> list[torch.Tensor]:
         """Leading available pages, each [2, page, layers, heads, dim] with all of the peer's
         heads (ranks joined on the head axis)."""
+        keys = keys[: self.count(keys)]
         per_rank = [
             store.batch_get(keys, [self.page.empty_page() for _ in keys]) for store in self.stores
         ]
@@ -152,25 +154,31 @@ class KVMapStorage(HiCacheStorage):
     ) -> list[bool]:
         """Native pages into the host pool, then the translated run after them.
         host_indices: [len(keys) * page_size] page-aligned host slots."""
-        size = self.page.page_size
-        found = self.inner.batch_get(
-            keys, [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
-        )
-        ok = [False] * len(keys)
-        native = 0
-        while native < len(keys) and found[native] is not None:
-            self.mem_pool_host.set_from_flat_data_page(
-                int(host_indices[native * size]), found[native]
-            )
-            ok[native] = True
-            native += 1
-        self.counters["native_pages"] += native
+        native = self._load_native(keys, host_indices, extra_info)
+        ok = [True] * native + [False] * (len(keys) - native)
         if native < len(keys) and self.peers:
+            size = self.page.page_size
             done = self._translate_into_host(
                 keys[native:], host_indices[native * size :], extra_info, native
             )
             ok[native : native + done] = [True] * done
         return ok
+
+    def _load_native(self, keys, host_indices, extra_info) -> int:
+        """Copy the leading pages stored for this model into the host pool; how many."""
+        count = self.inner.batch_exists(keys, extra_info)
+        host = self.mem_pool_host
+        found = self.inner.batch_get(
+            keys[:count], [host.get_dummy_flat_data_page() for _ in range(count)]
+        )
+        loaded = 0
+        for page in found[:count] if count else []:
+            if page is None:
+                break
+            host.set_from_flat_data_page(int(host_indices[loaded * self.page.page_size]), page)
+            loaded += 1
+        self.counters["native_pages"] += loaded
+        return loaded
 
     def _translate_into_host(self, keys, host_indices, extra_info, offset: int) -> int:
         prefix = _prefix(extra_info)
@@ -201,7 +209,9 @@ class KVMapStorage(HiCacheStorage):
         tokens = len(pages) * size
         source = torch.cat(pages, dim=1)  # [2, tokens, layers, heads, dim]
         spec = peer.mapper.target
-        target = torch.empty(2, tokens, spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        target = torch.empty(
+            2, tokens, spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype=self.page.dtype
+        )
         slots = torch.arange(tokens)
         positions = torch.arange(start_page * size, start_page * size + tokens)
         translate_pages(peer.mapper, _paged(source), slots, _paged(target), slots, positions)
@@ -280,16 +290,18 @@ class _RecentKeys:
     """The most recent ``capacity`` page keys (an LRU set)."""
 
     def __init__(self, capacity: int):
-        self.capacity, self._keys = capacity, OrderedDict()
+        self.capacity, self._keys, self._lock = capacity, OrderedDict(), threading.Lock()
 
     def add(self, key: str) -> None:
-        self._keys[key] = None
-        self._keys.move_to_end(key)
-        if len(self._keys) > self.capacity:
-            self._keys.popitem(last=False)
+        with self._lock:  # HiCache reads and writes from different threads
+            self._keys[key] = None
+            self._keys.move_to_end(key)
+            if len(self._keys) > self.capacity:
+                self._keys.popitem(last=False)
 
     def __contains__(self, key: str) -> bool:
-        return key in self._keys
+        with self._lock:
+            return key in self._keys
 
 
 def _prefix(extra_info) -> list[str] | None:
