@@ -167,12 +167,12 @@ class KVMapStorage(HiCacheStorage):
     def _load_native(self, keys, host_indices, extra_info) -> int:
         """Copy the leading pages stored for this model into the host pool; how many."""
         count = self.inner.batch_exists(keys, extra_info)
+        if count == 0:
+            return 0
         host = self.mem_pool_host
-        found = self.inner.batch_get(
-            keys[:count], [host.get_dummy_flat_data_page() for _ in range(count)]
-        )
+        buffers = [host.get_dummy_flat_data_page() for _ in range(count)]
         loaded = 0
-        for page in found[:count] if count else []:
+        for page in self.inner.batch_get(keys[:count], buffers):
             if page is None:
                 break
             host.set_from_flat_data_page(int(host_indices[loaded * self.page.page_size]), page)
