@@ -107,9 +107,9 @@ def main(names, windows, prefix_len, continuation, tails, main_tail, speed_token
             for d, stats in zip(DIRECTIONS, (state.forward, state.reverse))
         ]
         fits = [_timed_fit(stats, config) if stats is not None else None for stats in wanted]
-        wanted = None
+        wanted = None  # with state: the statistics (GBs) are not needed for evaluation
         capture_seconds = state.capture_seconds
-        state = None  # the statistics (GBs) are not needed for evaluation
+        state = None
         for direction, fitted, (source, target) in zip(
             DIRECTIONS, fits, ((small, large), (large, small))
         ):
