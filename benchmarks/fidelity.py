@@ -63,6 +63,7 @@ CONFIGS.update(
         "64k-k-layer": replace(CAL_64K, top_k="auto-layer"),
         "64k-ridge-rel-1e-2": replace(CAL_64K, ridge=1e-2, ridge_relative=True),
         "64k-k-4": replace(CAL_64K, top_k=4),
+        "64k-all-rel-1e-2": replace(CAL_64K, top_k=10_000, ridge=1e-2, ridge_relative=True),
         "64k-attn-0.5": replace(CAL_64K, attention_power=0.5),
         "64k-attn-1": replace(CAL_64K, attention_power=1.0),
     }
