@@ -253,9 +253,9 @@ def calibration_token_windows(
     """
     files = shuffled(expand_paths(calibration) if calibration else stdlib_files())
     every = config.heldout_every
-    heldout_files = set(files[every - 1 :: every] or files[-1:])
-    train_files = [f for f in files if f not in heldout_files]
-    heldout_files = [f for f in files if f in heldout_files]
+    held = set(files[every - 1 :: every] or files[-1:])
+    train_files = [f for f in files if f not in held]
+    heldout_files = [f for f in files if f in held]
     if not train_files:
         raise KVMapError("calibration needs at least two text files (training and held-out)")
     streams = {

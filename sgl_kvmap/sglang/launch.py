@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..errors import KVMapError
 from ..pack import read_config
-from ..spec import ModelSpec, spec_from_pretrained
+from ..spec import spec_from_pretrained
 from .settings import PeerSettings, StorageSettings
 
 
@@ -38,16 +38,13 @@ def engine_commands(
     store: str = "file",
     store_path: str = "/tmp/sgl-kvmap-hicache",
     page_size: int = 64,
-    specs: dict[str, ModelSpec] | None = None,
 ) -> list[list[str]]:
     """argv of ``python -m sglang.launch_server`` for every engine (same order).
 
     store: the built-in HiCache store the engines share ("file" on one node; "mooncake" or
-    "hf3fs" across nodes, configured as SGLang documents). specs: model_path -> ModelSpec, to
-    skip reading configs (tests).
+    "hf3fs" across nodes, configured as SGLang documents).
     """
-    specs = specs or {e.model_path: spec_from_pretrained(e.model_path) for e in engines}
-    by_fingerprint = {specs[e.model_path].fingerprint: e for e in engines}
+    by_fingerprint = {spec_from_pretrained(e.model_path).fingerprint: e for e in engines}
     peers: dict[str, list[PeerSettings]] = {e.name: [] for e in engines}
     for pack in packs:
         config = read_config(Path(pack))
