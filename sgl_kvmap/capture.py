@@ -133,6 +133,48 @@ def capture_kv(
     return run(model, input_ids, chunk_size=chunk_size).cache
 
 
+def recompute_tokens(
+    model: torch.nn.Module, cache: KVCache, token_ids: torch.Tensor, positions: torch.Tensor
+) -> KVCache:
+    """``cache`` with the K/V of the tokens at ``positions`` recomputed by ``model``.
+
+    cache: L x [T, kv_heads, head_dim], the model's geometry, for ``token_ids[:T]``;
+    positions: [N] distinct indices in [0, T). Each recomputed token attends to the cache's
+    OTHER tokens before it and to the recomputed tokens up to itself, at every layer (selective
+    recompute: a forward of N tokens, whatever T). Over an exact cache it returns that cache.
+    Returns a new cache; ``cache`` is not modified.
+    """
+    total, positions = len(cache), positions.sort().values
+    count = positions.numel()
+    if count == 0:
+        return cache
+    if positions[0] < 0 or positions[-1] >= total or positions.unique().numel() != count:
+        raise ValueError(f"positions must be distinct indices in [0, {total}), got {positions}")
+    if token_ids.numel() < total:
+        raise ValueError(f"token_ids has {token_ids.numel()} tokens, the cache {total}")
+    allowed = torch.zeros(count, total + count, dtype=torch.bool)
+    allowed[:, :total] = torch.arange(total)[None] < positions[:, None]
+    allowed[:, positions] = False  # their stale entries: the recomputed ones replace them
+    allowed[:, total:] = torch.ones(count, count, dtype=torch.bool).tril()
+    dtype = cache.keys[0].dtype
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    with torch.no_grad():
+        out = model(
+            input_ids=token_ids[positions][None],
+            position_ids=positions[None],
+            attention_mask=mask[None, None],
+            use_cache=True,
+            logits_to_keep=1,
+            **{_cache_argument(model): cache.to_hf()},
+        )
+    fresh = _from_hf(getattr(out, "cache", None) or out.past_key_values)
+    keys, values = [k[:total].clone() for k in fresh.keys], [v[:total].clone() for v in fresh.values]
+    for layer in range(len(keys)):
+        keys[layer][positions] = fresh.keys[layer][total:]
+        values[layer][positions] = fresh.values[layer][total:]
+    return KVCache(keys, values, cache.positions)
+
+
 def _forward(model, ids: torch.Tensor, past: KVCache | None, keep: int, want_queries: bool):
     start = len(past) if past is not None else 0
     positions = torch.arange(start, start + ids.numel())

@@ -22,21 +22,32 @@ def attention_received(queries: list[torch.Tensor], keys: list[torch.Tensor]) ->
     so 1 means "as much as an average token at that position". Returns [tokens] float32.
     Scores use 1 / sqrt(head_dim) scaling (no soft-capping or custom scales).
     """
+    tokens = queries[0].shape[0] if queries else 0
+    uniform = (1.0 / torch.arange(1, tokens + 1)).flip(0).cumsum(0).flip(0)
+    return attention_paid(queries, keys) / uniform
+
+
+def attention_paid(queries: list[torch.Tensor], keys: list[torch.Tensor]) -> torch.Tensor:
+    """Attention the LAST n positions pay each token, summed over them (causal softmax).
+
+    queries: L x [n, heads, head_dim] of positions T-n .. T-1; keys: L x [T, kv_heads, head_dim]
+    (post-RoPE, grouped-query heads allowed). Returns [T] float32: sum over the n queries, mean
+    over layers and query heads.
+    """
     if not queries or len(queries) != len(keys):
         raise KVMapError(f"need one query and key tensor per layer, got {len(queries)}/{len(keys)}")
-    tokens = queries[0].shape[0]
-    causal = torch.ones(tokens, tokens, dtype=torch.bool).tril()
-    total = torch.zeros(tokens)
+    n, total = queries[0].shape[0], keys[0].shape[0]
+    causal = torch.ones(n, total, dtype=torch.bool).tril(total - n)
+    paid = torch.zeros(total)
     for q, k in zip(queries, keys):
         heads, kv_heads = q.shape[1], k.shape[1]
         if heads % kv_heads:
             raise KVMapError(f"{heads} query heads cannot share {kv_heads} kv heads")
         k = k.float().repeat_interleave(heads // kv_heads, dim=1)
         scores = torch.einsum("ihd,jhd->hij", q.float(), k) / q.shape[-1] ** 0.5
-        probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)  # [heads, i, j]
-        total += probs.sum(1).mean(0)
-    uniform = (1.0 / torch.arange(1, tokens + 1)).flip(0).cumsum(0).flip(0)
-    return total / len(queries) / uniform
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)  # [heads, n, T]
+        paid += probs.sum(1).mean(0)
+    return paid / len(queries)
 
 
 def token_weights(received: torch.Tensor, power: float) -> torch.Tensor:

@@ -8,7 +8,7 @@ from sgl_kvmap.capture import run
 from sgl_kvmap.errors import KVMapError
 from sgl_kvmap.fit import fit_affine
 from sgl_kvmap.stats import Moments, moments_from_tensors, moments_to_tensors, residuals
-from sgl_kvmap.token_weights import attention_received, token_weights
+from sgl_kvmap.token_weights import attention_paid, attention_received, token_weights
 
 from .conftest import tiny_model
 
@@ -73,6 +73,13 @@ def test_attention_received_matches_the_models_own_attention_probabilities():
     received = probs.sum(2).mean((0, 1))
     uniform = torch.tensor([sum(1 / (i + 1) for i in range(j, 40)) for j in range(40)])
     torch.testing.assert_close(ours, received / uniform, rtol=1e-4, atol=1e-5)
+    last = [q[-7:] for q in result.queries]  # the last 7 positions' queries only
+    torch.testing.assert_close(
+        attention_paid(last, result.cache.keys),
+        probs[:, :, -7:].sum(2).mean((0, 1)),
+        rtol=1e-4,
+        atol=1e-5,
+    )
 
 
 def test_uniform_attention_gives_weight_one():
