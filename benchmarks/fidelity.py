@@ -59,6 +59,7 @@ CONFIGS: dict[str, CalibrationConfig] = {
 CAL_64K = CONFIGS["cal-64k"]
 CONFIGS.update(
     {
+        "64k-sink-0": replace(CAL_64K, sink_tokens=0),
         "64k-sink-16": replace(CAL_64K, sink_tokens=16),
         "64k-k-layer": replace(CAL_64K, top_k="auto-layer"),
         "64k-ridge-rel-1e-2": replace(CAL_64K, ridge=1e-2, ridge_relative=True),
