@@ -47,11 +47,20 @@ WORST_LAYERS = 5
 @click.option("--windows", default=16, show_default=True)
 @click.option("--prefix-len", default=1024, show_default=True)
 @click.option("--continuation", default=64, show_default=True)
-@click.option("--direction", "directions", multiple=True, type=click.Choice(DIRECTIONS),
-              default=("0.5B->1.5B",), show_default=True)
-@click.option("--worst-from", type=click.Choice(sorted(CONFIGS)),
-              help="fidelity.py row whose per-layer cosine names the worst layers [NAME].")
-def main(name, windows, prefix_len, continuation, directions, worst_from):  # fmt: skip
+@click.option(
+    "--direction",
+    "directions",
+    multiple=True,
+    type=click.Choice(DIRECTIONS),
+    default=("0.5B->1.5B",),
+    show_default=True,
+)
+@click.option(
+    "--worst-from",
+    type=click.Choice(sorted(CONFIGS)),
+    help="fidelity.py row whose per-layer cosine names the worst layers [NAME].",
+)
+def main(name, windows, prefix_len, continuation, directions, worst_from):
     config = CONFIGS[name]
     small, large = load_model(str(ensure_model(SMALL))), load_model(str(ensure_model(LARGE)))
     eval_ids = eval_windows(

@@ -168,7 +168,10 @@ def recompute_tokens(
             **{_cache_argument(model): cache.to_hf()},
         )
     fresh = _from_hf(getattr(out, "cache", None) or out.past_key_values)
-    keys, values = [k[:total].clone() for k in fresh.keys], [v[:total].clone() for v in fresh.values]
+    keys, values = (
+        [k[:total].clone() for k in fresh.keys],
+        [v[:total].clone() for v in fresh.values],
+    )
     for layer in range(len(keys)):
         keys[layer][positions] = fresh.keys[layer][total:]
         values[layer][positions] = fresh.values[layer][total:]
