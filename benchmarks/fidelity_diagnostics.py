@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from sgl_kvmap.capture import KVCache, load_model, recompute_tokens, run
 from sgl_kvmap.default_pair import LARGE, SMALL, ensure_model
-from sgl_kvmap.evaluate import EvalRuns, _scores
+from sgl_kvmap.evaluate import EvalRuns, continuation_scores
 from sgl_kvmap.texts import default_eval_files, eval_windows
 from sgl_kvmap.token_weights import attention_paid
 from sgl_kvmap.transfer import translate_prefix
@@ -83,11 +83,7 @@ def main(name, windows, prefix_len, continuation, directions, worst_from):
                 mapper, runs.get(source, i), runs.get(target, i), source, target,
                 runs.windows[i], prefix_len, worst,
             ).items():  # fmt: skip
-                correct, nll = _scores(
-                    run(target.model, runs.windows[i][prefix_len - 1 :], past=cache,
-                        logits_to_keep=continuation + 1).logits,
-                    runs.windows[i][prefix_len:],
-                )  # fmt: skip
+                correct, nll = continuation_scores(target.model, cache, runs.windows[i], prefix_len)
                 scores.setdefault(label, []).append((correct.float(), nll, cost))
             own = runs.get(target, i).own, runs.get(source, i).own, runs.get(target, i).no_prefix
             for label, (correct, nll), cost in zip(

@@ -242,7 +242,6 @@ def evaluate(
 
 def _evaluate_window(mapper, src: OwnRun, truth: OwnRun, target, runs: EvalRuns, i, tail, acc):
     window, prefix_len = runs.windows[i], runs.prefix_len
-    keep, labels = runs.continuation + 1, window[prefix_len:]
     acc.add_scores("reference", truth.own)
     acc.add_scores("source", src.own)
     acc.add_scores("no_prefix", truth.no_prefix)
@@ -250,12 +249,22 @@ def _evaluate_window(mapper, src: OwnRun, truth: OwnRun, target, runs: EvalRuns,
         split = handoff_split(prefix_len, t)
         source_prefix = src.cache.slice(0, split)
         translated = translate_prefix(mapper, source_prefix, window[:split], target.model)
-        out = run(target.model, window[split:], past=translated, logits_to_keep=keep)
-        acc.add_scores(name, _scores(out.logits, labels))
+        acc.add_scores(name, continuation_scores(target.model, translated, window, prefix_len))
         if name == "mapped":
             _add_layer_fidelity(acc, translated, truth, target, mapper.sink_tokens)
     acc.count += runs.continuation
     acc.windows += 1
+
+
+def continuation_scores(
+    model: torch.nn.Module, cache: KVCache, window: torch.Tensor, prefix_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(correct, nll), each [C], of ``model`` predicting ``window[prefix_len:]`` (``window``:
+    [prefix_len + C] token ids) after prefilling the rest of the prompt on top of ``cache``
+    (its KV for ``window[:len(cache)]``, len(cache) < prefix_len)."""
+    keep = window.numel() - prefix_len + 1
+    out = run(model, window[len(cache) :], past=cache, logits_to_keep=keep)
+    return _scores(out.logits, window[prefix_len:])
 
 
 def _scores(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
