@@ -1,6 +1,7 @@
 """Where does a translated cache lose the target's accuracy? Swap parts of it, and recompute.
 
     python benchmarks/fidelity_diagnostics.py cal-64k [--windows 16] [--direction 0.5B->1.5B]
+        [--part swaps --part recompute --part selectors]
 
 On the held-out evaluation windows of benchmarks/fidelity.py (same text, same mapper fit from
 the same cached statistics), the target continues from its translated cache with one part
@@ -17,8 +18,15 @@ tokens recomputed by the target (real levers, costed in recomputed tokens):
   in the target (recomputed first over the translated cache, so they are paid for twice) or in
   the source over its own cache (16 source tokens, about a third of the price on this pair):
   which spends recomputed tokens better?
+- selectors (``--part selectors``): 112 anchors + the last 16 recomputed (128 tokens) each time,
+  the anchors chosen by different attention: the continuation's in the target or in the source
+  (oracles: the future is not known at hand-off), the last 16 prompt tokens' in the target over
+  its own cache (oracle: that cache is what the hand-off lacks), and the source's own from its
+  last 16, 64 or 256 prompt tokens or from every prompt token (what an engine could record
+  while the source prefills): is it the queries or the model that picks badly?
 
-Writes benchmarks/results/fidelity_diagnostics.json and .md. No asserts: benchmarks measure.
+Writes benchmarks/results/fidelity_diagnostics.json and .md (a run adds or replaces its parts'
+rows in the configuration's table). No asserts: benchmarks measure.
 """
 
 from __future__ import annotations
@@ -39,6 +47,9 @@ from sgl_kvmap.token_weights import attention_paid
 from sgl_kvmap.transfer import translate_prefix
 
 PROBE = 16  # prompt tokens recomputed first; their attention picks the anchors
+SELECTOR_ANCHORS = 112  # + the PROBE tail: 128 recomputed tokens for every selector
+PARTS = ("swaps", "recompute", "selectors")
+ORACLE = "oracle selection"
 WORST_LAYERS = 5
 
 
@@ -60,7 +71,16 @@ WORST_LAYERS = 5
     type=click.Choice(sorted(CONFIGS)),
     help="fidelity.py row whose per-layer cosine names the worst layers [NAME].",
 )
-def main(name, windows, prefix_len, continuation, directions, worst_from):
+@click.option(
+    "--part",
+    "parts",
+    multiple=True,
+    type=click.Choice(PARTS),
+    default=PARTS,
+    show_default=True,
+    help="Which conditions to run.",
+)
+def main(name, windows, prefix_len, continuation, directions, worst_from, parts):
     config = CONFIGS[name]
     small, large = load_model(str(ensure_model(SMALL))), load_model(str(ensure_model(LARGE)))
     eval_ids = eval_windows(
@@ -76,12 +96,12 @@ def main(name, windows, prefix_len, continuation, directions, worst_from):
     state = None  # the statistics (GBs) are not needed any more
     for direction, mapper in fits.items():
         source, target = (small, large) if direction == DIRECTIONS[0] else (large, small)
-        worst = worst_layers(worst_from or name, direction)
+        worst = worst_layers(worst_from or name, direction) if "swaps" in parts else []
         scores: dict[str, list] = {}
         for i in tqdm(range(windows), desc=f"diagnostics {direction}", unit="win"):
             for label, (cache, cost) in conditions(
                 mapper, runs.get(source, i), runs.get(target, i), source, target,
-                runs.windows[i], prefix_len, worst,
+                runs.windows[i], prefix_len, worst, parts,
             ).items():  # fmt: skip
                 correct, nll = continuation_scores(target.model, cache, runs.windows[i], prefix_len)
                 scores.setdefault(label, []).append((correct.float(), nll, cost))
@@ -94,16 +114,27 @@ def main(name, windows, prefix_len, continuation, directions, worst_from):
     _write_table()
 
 
-def conditions(mapper, src, truth, source, target, window, prefix_len, worst) -> dict:
+def conditions(mapper, src, truth, source, target, window, prefix_len, worst, parts) -> dict:
     """label -> (target cache for prompt tokens [0, prefix_len - 1), recomputed tokens)."""
     split = prefix_len - 1  # the hand-off token (the last prompt token) is always the target's
     ids = window[:split]
     mapped = translate_prefix(mapper, src.cache.slice(0, split), ids, target.model)
     exact = truth.cache.slice(0, split)
+    out = {"translated": (mapped, 0)}
+    if "swaps" in parts:
+        out.update(oracle_swaps(mapped, exact, truth, worst, mapper.sink_tokens, split))
+    if "recompute" in parts:
+        out.update(recompute_levers(mapped, src, source, target, ids, mapper.sink_tokens))
+    if "selectors" in parts:
+        out.update(selector_levers(mapped, exact, src, truth, source, target, ids, mapper))
+    return out
+
+
+def oracle_swaps(mapped, exact, truth, worst, sinks, split) -> dict:
+    """The target's own KV for some layers, K or V only, or the most-attended tokens."""
     layers = range(len(exact.keys))
     continuation_attention = attention_paid(truth.queries, truth.cache.keys)[:split]
     out = {
-        "translated": (mapped, 0),
         "target K": (swap(mapped, exact, k_layers=layers), None),
         "target V": (swap(mapped, exact, v_layers=layers), None),
         f"target KV, {len(worst)} worst layers {worst}": (
@@ -115,10 +146,17 @@ def conditions(mapper, src, truth, source, target, window, prefix_len, worst) ->
         ),
     }  # fmt: skip
     for n in (16, 32, 64, split // 10):
-        top = top_tokens(continuation_attention, n, mapper.sink_tokens, split)
+        top = top_tokens(continuation_attention, n, sinks, split)
         out[f"target KV, {n} most-attended tokens (oracle)"] = (
             swap(mapped, exact, layers, layers, tokens=top), None,
         )  # fmt: skip
+    return out
+
+
+def recompute_levers(mapped, src, source, target, ids, sinks) -> dict:
+    """Recompute the tail, or anchors chosen by the target's or the source's probe + a tail."""
+    split = ids.numel()
+    out = {}
     for n in (16, 48, 80, 128):
         tail = torch.arange(split - n, split)
         out[f"recompute tail {n}"] = (recompute_tokens(target.model, mapped, ids, tail), n)
@@ -130,13 +168,43 @@ def conditions(mapper, src, truth, source, target, window, prefix_len, worst) ->
     )
     source_paid = attention_paid(source_probe.queries, source_probe.cache.keys)[: split - PROBE]
     for n in (32, 64, 112):
-        anchors = torch.cat((top_tokens(paid, n, mapper.sink_tokens, split - PROBE), tail))
+        anchors = torch.cat((top_tokens(paid, n, sinks, split - PROBE), tail))
         out[f"recompute {n} anchors (target probe) + tail {PROBE}"] = (
             recompute_tokens(target.model, probe.cache, ids, anchors), n + 2 * PROBE,
         )  # fmt: skip
-        anchors = torch.cat((top_tokens(source_paid, n, mapper.sink_tokens, split - PROBE), tail))
+        anchors = torch.cat((top_tokens(source_paid, n, sinks, split - PROBE), tail))
         out[f"recompute {n} anchors (source probe) + tail {PROBE}"] = (
             recompute_tokens(target.model, mapped, ids, anchors), f"{n + PROBE} (+{PROBE} source)",
+        )  # fmt: skip
+    return out
+
+
+def selector_levers(mapped, exact, src, truth, source, target, ids, mapper) -> dict:
+    """SELECTOR_ANCHORS anchors + the last PROBE tokens recomputed, anchors by each selector."""
+    split, end = ids.numel(), ids.numel() - PROBE
+    source_prompt = run(source.model, ids, want_queries=True)  # every prompt query of the source
+    target_probe = run(target.model, ids[-PROBE:], past=exact.slice(0, end), want_queries=True)
+    selectors = {
+        "continuation, target (oracle)": (attention_paid(truth.queries, truth.cache.keys), ORACLE),
+        "continuation, source (oracle)": (attention_paid(src.queries, src.cache.keys), ORACLE),
+        f"last {PROBE}, target over its own cache (oracle)": (
+            attention_paid(target_probe.queries, target_probe.cache.keys), ORACLE,
+        ),
+    }  # fmt: skip
+    for n in (PROBE, 64, 256, split):
+        label = "every prompt token" if n == split else f"last {n}"
+        paid = attention_paid([q[-n:] for q in source_prompt.queries], source_prompt.cache.keys)
+        extra = "recorded in the source's prefill" if n == split else f"+{n} source tokens"
+        selectors[f"{label}, source"] = (paid, extra)
+    tail = torch.arange(end, split)
+    out = {}
+    for label, (paid, extra) in selectors.items():
+        anchors = torch.cat(
+            (top_tokens(paid[:split], SELECTOR_ANCHORS, mapper.sink_tokens, end), tail)
+        )
+        out[f"{SELECTOR_ANCHORS} anchors by {label} + tail {PROBE}"] = (
+            recompute_tokens(target.model, mapped, ids, anchors),
+            f"{SELECTOR_ANCHORS + PROBE} ({extra})",
         )  # fmt: skip
     return out
 
@@ -176,20 +244,28 @@ def worst_layers(name: str, direction: str) -> list[int]:
 
 
 def _record(name, direction, worst, prefix_len, continuation, windows, scores) -> None:
+    """Add this run's conditions to the configuration's row (replacing those it measured
+    again; a row of other evaluation windows is replaced whole)."""
     path = RESULTS / "fidelity_diagnostics.json"
     rows = json.loads(path.read_text()) if path.exists() else []
-    rows = [r for r in rows if (r["config"], r["direction"]) != (name, direction)]
+    key, setup = (name, direction), {
+        "windows": windows, "prefix_len": prefix_len, "continuation": continuation,
+    }  # fmt: skip
+    previous = next((r for r in rows if (r["config"], r["direction"]) == key), None)
+    if previous is None or previous["eval"] != setup:
+        previous = {"config": name, "direction": direction, "worst_layers": [], "conditions": {}}
+    rows = [r for r in rows if (r["config"], r["direction"]) != key]
+    measured = {
+        label: {
+            "accuracy": torch.cat([c for c, _, _ in s]).mean().item(),
+            "nll": torch.cat([n for _, n, _ in s]).mean().item(),
+            "recomputed_tokens": s[0][2],
+        }
+        for label, s in scores.items()
+    }
     rows.append({
-        "config": name, "direction": direction, "worst_layers": worst,
-        "eval": {"windows": windows, "prefix_len": prefix_len, "continuation": continuation},
-        "conditions": {
-            label: {
-                "accuracy": torch.cat([c for c, _, _ in s]).mean().item(),
-                "nll": torch.cat([n for _, n, _ in s]).mean().item(),
-                "recomputed_tokens": s[0][2],
-            }
-            for label, s in scores.items()
-        },
+        **previous, "eval": setup, "worst_layers": worst or previous["worst_layers"],
+        "conditions": {**previous["conditions"], **measured},
     })  # fmt: skip
     path.write_text(json.dumps(rows, indent=1) + "\n")
 

@@ -144,17 +144,55 @@ def recompute_tokens(
     recompute: a forward of N tokens, whatever T). Over an exact cache it returns that cache.
     Returns a new cache; ``cache`` is not modified.
     """
+    if positions.numel() and positions.max() >= len(cache):
+        raise ValueError(
+            f"positions must be distinct indices in [0, {len(cache)}), got {positions}"
+        )
+    return forward_scattered(model, cache, token_ids, positions).cache
+
+
+def forward_scattered(
+    model: torch.nn.Module,
+    cache: KVCache,
+    token_ids: torch.Tensor,
+    positions: torch.Tensor,
+    logits_to_keep: int = 0,
+) -> ForwardResult:
+    """One forward over the tokens at ``positions``: some recomputed inside ``cache``, the rest
+    appended after it.
+
+    cache: L x [T, kv_heads, head_dim] for ``token_ids[:T]``; positions: [N] distinct indices
+    into ``token_ids``, those >= T forming the run T, T+1, ..., P-1 (P = max position + 1).
+    Each token attends, at every layer, to the cache's tokens before it that are not in
+    ``positions`` and to the tokens of this forward up to itself: the same result as
+    recomputing them one at a time, in order, in one forward whose cost is N tokens. Rows of
+    ``cache`` not in ``positions`` stay as they are.
+
+    Returns the cache of P tokens and the logits of the last ``logits_to_keep`` positions.
+    Used to recompute chosen tokens (``recompute_tokens``) and to fuse the target's sink
+    tokens into the hand-off forward (``transfer.handoff``).
+    """
     total, positions = len(cache), positions.sort().values
     count = positions.numel()
     if count == 0:
-        return cache
-    if positions[0] < 0 or positions[-1] >= total or positions.unique().numel() != count:
-        raise ValueError(f"positions must be distinct indices in [0, {total}), got {positions}")
-    if token_ids.numel() < total:
-        raise ValueError(f"token_ids has {token_ids.numel()} tokens, the cache {total}")
+        return ForwardResult(None, cache)
+    end = max(total, int(positions[-1]) + 1)
+    appended = positions[positions >= total]
+    if (
+        positions[0] < 0
+        or positions.unique().numel() != count
+        or not torch.equal(appended, torch.arange(total, total + appended.numel()))
+    ):
+        raise ValueError(
+            f"positions must be distinct indices in [0, {total}) plus the run {total}, "
+            f"{total + 1}, ... after the cache, got {positions}"
+        )
+    if token_ids.numel() < end:
+        raise ValueError(f"token_ids has {token_ids.numel()} tokens, positions reach {end}")
+    inside = positions[positions < total]
     allowed = torch.zeros(count, total + count, dtype=torch.bool)
     allowed[:, :total] = torch.arange(total)[None] < positions[:, None]
-    allowed[:, positions] = False  # their stale entries: the recomputed ones replace them
+    allowed[:, inside] = False  # their stale entries: the recomputed ones replace them
     allowed[:, total:] = torch.ones(count, count, dtype=torch.bool).tril()
     dtype = cache.keys[0].dtype
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
@@ -164,18 +202,25 @@ def recompute_tokens(
             position_ids=positions[None],
             attention_mask=mask[None, None],
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=max(logits_to_keep, 1),
             **{_cache_argument(model): cache.to_hf()},
         )
     fresh = _from_hf(getattr(out, "cache", None) or out.past_key_values)
-    keys, values = (
-        [k[:total].clone() for k in fresh.keys],
-        [v[:total].clone() for v in fresh.values],
-    )
-    for layer in range(len(keys)):
-        keys[layer][positions] = fresh.keys[layer][total:]
-        values[layer][positions] = fresh.values[layer][total:]
-    return KVCache(keys, values, cache.positions)
+    keys = [_scatter_rows(k, total, positions, end) for k in fresh.keys]
+    values = [_scatter_rows(v, total, positions, end) for v in fresh.values]
+    logits = out.logits[0, -logits_to_keep:].float() if logits_to_keep else None
+    return ForwardResult(logits, KVCache(keys, values, torch.arange(end)))
+
+
+def _scatter_rows(
+    rows: torch.Tensor, total: int, positions: torch.Tensor, end: int
+) -> torch.Tensor:
+    """[end, ...] from ``rows: [total + N, ...]`` (the cache, then the N tokens of a scattered
+    forward): the cache's rows, with the new ones at ``positions``."""
+    out = torch.empty((end, *rows.shape[1:]), dtype=rows.dtype)
+    out[:total] = rows[:total]
+    out[positions] = rows[total:]
+    return out
 
 
 def _forward(model, ids: torch.Tensor, past: KVCache | None, keep: int, want_queries: bool):

@@ -97,9 +97,10 @@ def format_table(results: dict) -> str:
         f"eval: {e['windows']} windows, prefix {e['prefix_len']}, "
         f"continuation {e['continuation']}, "
         f"tail {e['tail']}, sink tokens {e['sink_tokens']}; speed at {s['tokens']} tokens",
-        "speedups = target re-prefill over: the map; map + the target's sink tokens; map + sinks +",
-        "the target's forward over the last prompt token (hand-off). gap = (mapped - source) /",
-        "(target - source), n/a where the source is the better model: read retention there.",
+        "speedups = target re-prefill over: the map; map + what the sink tokens add to the",
+        "hand-off forward; map + the target's one hand-off forward (sink tokens and the last",
+        "prompt token together). gap = (mapped - source) / (target - source), n/a where the",
+        "source is the better model: read retention there.",
     ]
     return "\n".join(lines)
 

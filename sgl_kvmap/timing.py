@@ -2,8 +2,9 @@
 
 Both paths end in the same state: the target holds a cache for the whole prompt and the
 logits of its last token. Re-prefill is one forward over the prompt. The translated path is
-the map, the target's forward over its sink tokens, and its forward over the last
-``tail + 1`` prompt tokens on top of the translated cache (the hand-off).
+the map and ONE target forward (``transfer.handoff``) over the sink tokens, the ``tail`` and
+the last prompt token. What the sinks cost is measured as what they add to that forward
+(the same forward without them, side by side), and, for comparison, as a forward of their own.
 """
 
 from __future__ import annotations
@@ -14,14 +15,19 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .capture import LoadedModel, capture_kv, run
+from .capture import LoadedModel, capture_kv, forward_scattered, run
 from .mapper import KVMapper
-from .transfer import handoff_split, translate_prefix
+from .transfer import handoff, handoff_positions, handoff_split
 
 
 @dataclass
 class SpeedReport:
-    """Seconds (medians of ``repeats``) for one prompt of ``tokens`` tokens on this machine."""
+    """Seconds (medians of ``repeats``) for one prompt of ``tokens`` tokens on this machine.
+
+    handoff_seconds: the target's one forward over sinks + tail + last prompt token.
+    sink_seconds: what the sinks add to it (that forward minus the same one without sinks,
+    floored at 0). separate_sink_seconds: a forward over the sinks alone (the unfused way).
+    """
 
     tokens: int
     tail: int
@@ -30,16 +36,17 @@ class SpeedReport:
     handoff_seconds: float
     prefill_seconds: float
     repeats: int
+    separate_sink_seconds: float = 0.0
 
     @property
     def translate_seconds(self) -> float:
-        """Map + the target's sink tokens."""
+        """Map + what the target's sink tokens cost."""
         return self.map_seconds + self.sink_seconds
 
     @property
     def total_seconds(self) -> float:
-        """Everything the translated path runs: map, sinks, and the hand-off forward."""
-        return self.translate_seconds + self.handoff_seconds
+        """Everything the translated path runs: the map and the hand-off forward."""
+        return self.map_seconds + self.handoff_seconds
 
     @property
     def speedup(self) -> float:
@@ -80,24 +87,32 @@ def measure_speed(
     ``prefill_seconds``: a prefill time already measured for this target and prompt (it does
     not depend on the mapper), to skip measuring it again.
     """
-    split = handoff_split(token_ids.numel(), tail)
+    prompt_len = token_ids.numel()
+    split = handoff_split(prompt_len, tail)
     source_cache = capture_kv(source.model, token_ids[:split])
-    translated = translate_prefix(mapper, source_cache, token_ids[:split], target.model)  # warm-up
-    sinks = token_ids[: mapper.sink_tokens]
+    handoff(mapper, source_cache, token_ids, target.model, tail)  # warm-up
+    mapped = mapper.map(source_cache)
+    fused = handoff_positions(prompt_len, tail, mapper.sink_tokens)
+    rest = handoff_positions(prompt_len, tail, 0)
+    handoff_seconds = _timed(
+        lambda: forward_scattered(target.model, mapped, token_ids, fused, 1), repeats
+    )
+    without_sinks = _timed(
+        lambda: forward_scattered(target.model, mapped, token_ids, rest, 1), repeats
+    )
+    sinks = token_ids[: min(mapper.sink_tokens, split)]
     return SpeedReport(
-        tokens=token_ids.numel(),
+        tokens=prompt_len,
         tail=tail,
         map_seconds=_timed(lambda: mapper.map(source_cache), repeats),
-        sink_seconds=_timed(lambda: capture_kv(target.model, sinks), repeats)
+        sink_seconds=max(0.0, handoff_seconds - without_sinks) if sinks.numel() else 0.0,
+        handoff_seconds=handoff_seconds,
+        prefill_seconds=prefill_seconds
+        or _timed(lambda: run(target.model, token_ids, logits_to_keep=1), max(1, repeats - 1)),
+        repeats=repeats,
+        separate_sink_seconds=_timed(lambda: capture_kv(target.model, sinks), repeats)
         if sinks.numel()
         else 0.0,
-        handoff_seconds=_timed(
-            lambda: run(target.model, token_ids[split:], past=translated, logits_to_keep=1), repeats
-        ),
-        prefill_seconds=_timed(
-            lambda: run(target.model, token_ids, logits_to_keep=1), max(1, repeats - 1)
-        ),
-        repeats=repeats,
     )
 
 

@@ -1,9 +1,13 @@
-"""Selective recompute: the target recomputes chosen tokens of a (translated) cache."""
+"""Scattered forwards: the target recomputes chosen tokens of a (translated) cache, and does the
+whole hand-off (sink tokens + tail + last prompt token) in one forward."""
+
+import dataclasses
 
 import pytest
 import torch
 
-from sgl_kvmap.capture import KVCache, capture_kv, recompute_tokens, run
+from sgl_kvmap.capture import KVCache, capture_kv, forward_scattered, recompute_tokens, run
+from sgl_kvmap.transfer import handoff, handoff_split, translate_prefix
 
 from .conftest import tiny_model
 
@@ -59,3 +63,39 @@ def test_recompute_refuses_bad_positions(model):
         with pytest.raises(ValueError, match="distinct indices"):
             recompute_tokens(model.model, cache, ids, bad)
     assert recompute_tokens(model.model, cache, ids, torch.tensor([], dtype=torch.long)) is cache
+
+
+def assert_same_cache(got: KVCache, want: KVCache) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got.keys + got.values, want.keys + want.values):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_appended_tokens_are_a_plain_forward_after_the_cache(model):
+    ids = torch.randint(0, 100, (30,))
+    cache = capture_kv(model.model, ids[:20])
+    got = forward_scattered(model.model, cache, ids, torch.arange(20, 30), logits_to_keep=2)
+    want = run(model.model, ids[20:], past=cache, logits_to_keep=2)
+    assert_same_cache(got.cache, want.cache)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="the run 20"):  # appended tokens must follow the cache
+        forward_scattered(model.model, cache, ids, torch.tensor([3, 21]))
+
+
+@pytest.mark.parametrize("tail", [0, 5])
+def test_one_forward_handoff_equals_sinks_then_the_rest(tiny_pair, tiny_mapper, tail):
+    """Sinks fused into the hand-off forward: the same cache and logits as computing the
+    sinks first (translate_prefix) and then the rest of the prompt over that cache."""
+    source, target = tiny_pair
+    mapper = dataclasses.replace(tiny_mapper, sink_tokens=3)
+    ids = torch.randint(0, 100, (40,))
+    split = handoff_split(len(ids), tail)
+    source_cache = capture_kv(source.model, ids[:split])
+    got = handoff(mapper, source_cache, ids, target.model, tail)
+    translated = translate_prefix(mapper, source_cache, ids[:split], target.model)
+    want = run(target.model, ids[split:], past=translated, logits_to_keep=1)
+    assert_same_cache(got.cache, want.cache)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4)
+    mapped = mapper.map(source_cache)  # the sinks really were recomputed
+    assert not torch.allclose(got.cache.keys[0][:3], mapped.keys[0][:3])
+    torch.testing.assert_close(got.cache.keys[0][3:split], mapped.keys[0][3:])
