@@ -45,6 +45,7 @@ CONFIGS: dict[str, CalibrationConfig] = {
     "cal-8k": replace(BASE, tokens=8192),
     "cal-32k": replace(BASE, tokens=32768),
     "cal-64k": replace(BASE, tokens=65536),
+    "cal-128k": replace(BASE, tokens=131072),
     "sink-0": replace(BASE, sink_tokens=0),
     "sink-1": replace(BASE, sink_tokens=1),
     "sink-16": replace(BASE, sink_tokens=16),

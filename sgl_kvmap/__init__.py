@@ -13,7 +13,7 @@ from .errors import KVMapError, PackError, PairMismatchError
 from .evaluate import EvalReport, evaluate
 from .mapper import KVMapper
 from .spec import ModelSpec, spec_from_pretrained
-from .transfer import translate_prefix
+from .transfer import handoff, translate_prefix
 
 __all__ = [
     "CalibrationConfig",
@@ -29,6 +29,7 @@ __all__ = [
     "capture_kv",
     "evaluate",
     "fit_mapper",
+    "handoff",
     "load_model",
     "spec_from_pretrained",
     "translate_prefix",
