@@ -1,7 +1,7 @@
 """Where does a translated cache lose the target's accuracy? Swap parts of it, and recompute.
 
     python benchmarks/fidelity_diagnostics.py cal-64k [--windows 16] [--direction 0.5B->1.5B]
-        [--part swaps --part recompute --part selectors]
+        [--part swaps --part recompute --part selectors --part draft]
 
 On the held-out evaluation windows of benchmarks/fidelity.py (same text, same mapper fit from
 the same cached statistics), the target continues from its translated cache with one part
@@ -24,6 +24,8 @@ tokens recomputed by the target (real levers, costed in recomputed tokens):
   its own cache (oracle: that cache is what the hand-off lacks), and the source's own from its
   last 16, 64 or 256 prompt tokens or from every prompt token (what an engine could record
   while the source prefills): is it the queries or the model that picks badly?
+- draft (``--part draft``): the same 128 tokens, anchors chosen by the source's attention while
+  it drafts 32 tokens greedily after the prompt (a guess at the continuation's queries).
 
 Writes benchmarks/results/fidelity_diagnostics.json and .md (a run adds or replaces its parts'
 rows in the configuration's table). No asserts: benchmarks measure.
@@ -48,7 +50,8 @@ from sgl_kvmap.transfer import translate_prefix
 
 PROBE = 16  # prompt tokens recomputed first; their attention picks the anchors
 SELECTOR_ANCHORS = 112  # + the PROBE tail: 128 recomputed tokens for every selector
-PARTS = ("swaps", "recompute", "selectors")
+PARTS = ("swaps", "recompute", "selectors", "draft")
+DRAFT = 32  # tokens the source drafts after the prompt; their attention picks the anchors
 ORACLE = "oracle selection"
 WORST_LAYERS = 5
 
@@ -127,6 +130,8 @@ def conditions(mapper, src, truth, source, target, window, prefix_len, worst, pa
         out.update(recompute_levers(mapped, src, source, target, ids, mapper.sink_tokens))
     if "selectors" in parts:
         out.update(selector_levers(mapped, exact, src, truth, source, target, ids, mapper))
+    if "draft" in parts:
+        out.update(draft_lever(mapped, src, source, target, window[: split + 1], mapper))
     return out
 
 
@@ -207,6 +212,29 @@ def selector_levers(mapped, exact, src, truth, source, target, ids, mapper) -> d
             f"{SELECTOR_ANCHORS + PROBE} ({extra})",
         )  # fmt: skip
     return out
+
+
+def draft_lever(mapped, src, source, target, prompt, mapper) -> dict:
+    """Anchors chosen by the attention the SOURCE pays the prompt while it drafts DRAFT tokens
+    greedily after it (over its own exact cache): a guess at the continuation's queries,
+    available at hand-off. prompt: the whole prompt, the hand-off token last."""
+    split = prompt.numel() - 1
+    cache, token, queries = src.cache.slice(0, split), prompt[split:], []
+    for _ in range(DRAFT):
+        step = run(source.model, token, past=cache, logits_to_keep=1, want_queries=True)
+        cache, token = step.cache, step.logits[-1].argmax()[None]
+        queries.append(step.queries)
+    paid = attention_paid([torch.cat(q) for q in zip(*queries)], cache.keys)[:split]
+    end = split - PROBE
+    anchors = torch.cat(
+        (top_tokens(paid, SELECTOR_ANCHORS, mapper.sink_tokens, end), torch.arange(end, split))
+    )
+    return {
+        f"{SELECTOR_ANCHORS} anchors by {DRAFT} tokens the source drafts, source + tail {PROBE}": (
+            recompute_tokens(target.model, mapped, prompt[:split], anchors),
+            f"{SELECTOR_ANCHORS + PROBE} (+{DRAFT} source draft tokens)",
+        )
+    }
 
 
 def swap(mapped: KVCache, exact: KVCache, k_layers=(), v_layers=(), tokens=None) -> KVCache:
