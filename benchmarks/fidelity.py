@@ -71,8 +71,8 @@ CONFIGS.update(
     }
 )
 HELDOUT_SPLIT = "every 8th file"
-# token weightings captured together in one pass: unweighted for both directions, the
-# attention-weighted ones for 0.5B->1.5B only (each direction's statistics take GBs)
+# token weightings: unweighted for both directions, the attention-weighted ones for 0.5B->1.5B
+# only (each direction's statistics take GBs)
 WEIGHTINGS = {0.0: True, 0.5: False, 1.0: False}  # attention power -> both directions
 DIRECTIONS = ("0.5B->1.5B", "1.5B->0.5B")
 CONDITIONS = ("reference", "mapped", "mapped_tail", "source", "no_prefix")
@@ -148,25 +148,24 @@ def main(names, windows, prefix_len, continuation, tails, main_tail, speed_token
 def statistics_for(small, large, config: CalibrationConfig) -> CalibrationState:
     """Statistics for ``config`` (its budget and token weighting), from the cache or captured.
 
-    A capture grows every weighting in WEIGHTINGS at once (one pass of both models), starting
-    from the largest smaller budget cached for all of them, and caches each.
+    A capture grows the configuration's weighting (one pass of both models) from the largest
+    smaller budget cached for it, and caches the result.
     """
-    if config.attention_power not in WEIGHTINGS:
-        raise click.UsageError(f"attention power {config.attention_power} not in {WEIGHTINGS}")
-    path = _stats_path(config, config.attention_power, config.tokens)
+    power = config.attention_power
+    if power not in WEIGHTINGS:
+        raise click.UsageError(f"attention power {power} not in {WEIGHTINGS}")
+    path = _stats_path(config, power, config.tokens)
     if not path.exists():
-        cached = set.intersection(*(_cached_budgets(config, power) for power in WEIGHTINGS))
-        start = max((b for b in cached if b < config.tokens), default=None)
-        states = [
+        start = max((b for b in _cached_budgets(config, power) if b < config.tokens), default=None)
+        state = (
             load_state(_stats_path(config, power, start), small.spec, large.spec)
             if start
-            else CalibrationState.empty(small.spec, large.spec, both, power)
-            for power, both in WEIGHTINGS.items()
-        ]
+            else CalibrationState.empty(small.spec, large.spec, WEIGHTINGS[power], power)
+        )
         windows = calibration_token_windows(small.tokenizer, None, config)
-        for power, state in zip(WEIGHTINGS, collect_many(small, large, windows, config, states)):
-            save_state(state, _stats_path(config, power, config.tokens))
-        states = None  # free them before loading the one asked for
+        (state,) = collect_many(small, large, windows, config, [state])
+        save_state(state, path)
+        state = None  # free it before loading it back
     return load_state(path, small.spec, large.spec)
 
 
