@@ -26,6 +26,12 @@ tokens recomputed by the target (real levers, costed in recomputed tokens):
   while the source prefills): is it the queries or the model that picks badly?
 - draft (``--part draft``): the same 128 tokens, anchors chosen by the source's attention while
   it drafts 32 tokens greedily after the prompt (a guess at the continuation's queries).
+- repair (``--part repair``): the library's hand-off repair (``transfer.Repair``: anchors picked
+  by a source draft, recomputed with the sinks) over a grid of anchors x draft lengths.
+- lazy (``--part lazy``): repair during decoding instead: the target reads the continuation in
+  chunks, and after each chunk recomputes the prompt tokens that chunk's queries attended to
+  most (over the cache as repaired so far), so the tokens it leans on are repaired by its own
+  attention; optionally after a hand-off repair.
 
 Writes benchmarks/results/fidelity_diagnostics.json and .md (a run adds or replaces its parts'
 rows in the configuration's table). No asserts: benchmarks measure.
@@ -46,12 +52,19 @@ from sgl_kvmap.default_pair import LARGE, SMALL, ensure_model
 from sgl_kvmap.evaluate import EvalRuns, continuation_scores
 from sgl_kvmap.texts import default_eval_files, eval_windows
 from sgl_kvmap.token_weights import attention_paid
-from sgl_kvmap.transfer import translate_prefix
+from sgl_kvmap.transfer import Repair, draft_anchors, top_attended, translate_prefix
 
 PROBE = 16  # prompt tokens recomputed first; their attention picks the anchors
 SELECTOR_ANCHORS = 112  # + the PROBE tail: 128 recomputed tokens for every selector
-PARTS = ("swaps", "recompute", "selectors", "draft")
+PARTS = ("swaps", "recompute", "selectors", "draft", "repair", "lazy")
 DRAFT = 32  # tokens the source drafts after the prompt; their attention picks the anchors
+REPAIRS = [Repair(a, d) for a in (48, 112, 240) for d in (1, 8, 32)]
+LAZY = [  # (hand-off repair or None, chunk of continuation tokens, tokens repaired per chunk)
+    (None, 8, 16),
+    (None, 4, 8),
+    (Repair(48, 8), 8, 8),
+    (Repair(112, 8), 8, 16),
+]
 ORACLE = "oracle selection"
 WORST_LAYERS = 5
 
@@ -106,7 +119,11 @@ def main(name, windows, prefix_len, continuation, directions, worst_from, parts)
                 mapper, runs.get(source, i), runs.get(target, i), source, target,
                 runs.windows[i], prefix_len, worst, parts,
             ).items():  # fmt: skip
-                correct, nll = continuation_scores(target.model, cache, runs.windows[i], prefix_len)
+                correct, nll = (
+                    continuation_scores(target.model, cache, runs.windows[i], prefix_len)
+                    if isinstance(cache, KVCache)
+                    else cache  # scored already
+                )
                 scores.setdefault(label, []).append((correct.float(), nll, cost))
             own = runs.get(target, i).own, runs.get(source, i).own, runs.get(target, i).no_prefix
             for label, (correct, nll), cost in zip(
@@ -118,7 +135,8 @@ def main(name, windows, prefix_len, continuation, directions, worst_from, parts)
 
 
 def conditions(mapper, src, truth, source, target, window, prefix_len, worst, parts) -> dict:
-    """label -> (target cache for prompt tokens [0, prefix_len - 1), recomputed tokens)."""
+    """label -> (target cache for prompt tokens [0, prefix_len - 1), or the continuation's
+    (correct, nll) where the condition scored it itself; recomputed tokens)."""
     split = prefix_len - 1  # the hand-off token (the last prompt token) is always the target's
     ids = window[:split]
     mapped = translate_prefix(mapper, src.cache.slice(0, split), ids, target.model)
@@ -132,6 +150,10 @@ def conditions(mapper, src, truth, source, target, window, prefix_len, worst, pa
         out.update(selector_levers(mapped, exact, src, truth, source, target, ids, mapper))
     if "draft" in parts:
         out.update(draft_lever(mapped, src, source, target, window[: split + 1], mapper))
+    if "repair" in parts:
+        out.update(repair_levers(src, source, target, window[: split + 1], mapper))
+    if "lazy" in parts:
+        out.update(lazy_levers(src, source, target, window, prefix_len, mapper))
     return out
 
 
@@ -235,6 +257,67 @@ def draft_lever(mapped, src, source, target, prompt, mapper) -> dict:
             f"{SELECTOR_ANCHORS + PROBE} (+{DRAFT} source draft tokens)",
         )
     }
+
+
+def repair_levers(src, source, target, prompt, mapper) -> dict:
+    """The library's hand-off repair (sinks + anchors by a source draft), for every REPAIRS."""
+    split = prompt.numel() - 1
+    out = {}
+    for repair in REPAIRS:
+        anchors = draft_anchors(source.model, src.cache, prompt, repair, 0, mapper)
+        cache = translate_prefix(
+            mapper, src.cache.slice(0, split), prompt[:split], target.model, anchors
+        )
+        out[f"hand-off repair: {repair}"] = (
+            cache, f"{repair.anchors} (+{repair.draft} source draft tokens)"
+        )  # fmt: skip
+    return out
+
+
+def lazy_levers(src, source, target, window, prefix_len, mapper) -> dict:
+    """Repair during decoding (LAZY), scored on the continuation as it goes."""
+    split = prefix_len - 1
+    out = {}
+    for repair, chunk, per_chunk in LAZY:
+        anchors = None
+        if repair is not None:
+            anchors = draft_anchors(source.model, src.cache, window[:prefix_len], repair, 0, mapper)
+        cache = translate_prefix(
+            mapper, src.cache.slice(0, split), window[:split], target.model, anchors
+        )
+        scores, repaired = lazy_repair(
+            target.model, cache, window, prefix_len, chunk, per_chunk, mapper.sink_tokens
+        )
+        label = f"lazy repair: {per_chunk} tokens after every {chunk} continuation tokens"
+        label += f", after a hand-off repair of {repair}" if repair else ""
+        first = repair.anchors if repair else 0
+        out[label] = (scores, f"{first} + {repaired} during decode")
+    return out
+
+
+def lazy_repair(model, cache: KVCache, window, prefix_len, chunk, per_chunk, sinks):
+    """Teacher-forced scores of ``window[prefix_len:]`` read in chunks over ``cache`` (the
+    target's KV of ``window[:prefix_len - 1]``); after each chunk, the ``per_chunk`` prompt
+    tokens its queries attend to most that were not recomputed yet are recomputed (in a real
+    engine they ride in the next decode step's forward). Returns ((correct, nll), recomputed)."""
+    split, end = prefix_len - 1, window.numel()
+    done = torch.zeros(split, dtype=torch.bool)
+    done[:sinks] = True  # the target's own already
+    correct, nll, recomputed = [], [], 0
+    for start in range(split, end - 1, chunk):
+        ids = window[start : min(start + chunk, end - 1)]
+        step = run(model, ids, past=cache, logits_to_keep=ids.numel(), want_queries=True)
+        labels = window[start + 1 : start + 1 + ids.numel()]
+        correct.append(step.logits.argmax(-1) == labels)
+        nll.append(torch.nn.functional.cross_entropy(step.logits, labels, reduction="none"))
+        if start + chunk >= end - 1:
+            break  # nothing left to read: a repair now would serve no scored token
+        paid = attention_paid(step.queries, step.cache.keys)[:split].masked_fill(done, -1.0)
+        fresh = top_attended(paid, min(per_chunk, int((~done).sum())))
+        done[fresh] = True
+        recomputed += fresh.numel()
+        cache = recompute_tokens(model, step.cache, window, fresh)
+    return (torch.cat(correct), torch.cat(nll)), recomputed
 
 
 def swap(mapped: KVCache, exact: KVCache, k_layers=(), v_layers=(), tokens=None) -> KVCache:

@@ -3,7 +3,8 @@
 For each window of ``prefix_len + continuation`` tokens the target predicts the continuation
 (teacher-forced) under five conditions: its own prefix cache (reference), the translated cache
 (tail 0), the translated cache with ``tail`` more prompt tokens recomputed by the target, the
-SOURCE model alone, and no prefix at all. Per layer it also reports R^2 of the translated K/V
+SOURCE model alone, and no prefix at all; with a ``Repair``, also the translated cache with the
+tail and the repair's anchors recomputed. Per layer it also reports R^2 of the translated K/V
 against the target's true K/V (content space, sinks excluded) and the cosine between the
 target's attention outputs over translated vs true KV (true queries, causal).
 """
@@ -20,7 +21,7 @@ from .capture import KVCache, LoadedModel, run
 from .mapper import KVMapper
 from .pack import check_models
 from .rope import tables_for_spec, unrope
-from .transfer import handoff_split, translate_prefix
+from .transfer import Repair, draft_anchors, handoff_split, translate_prefix
 
 
 @dataclass
@@ -47,6 +48,8 @@ class EvalReport:
     tail: int
     sink_tokens: int
     extra: dict = field(default_factory=dict)
+    repaired: Quality | None = None
+    repair: str | None = None
 
     @property
     def retention(self) -> float | None:
@@ -58,6 +61,10 @@ class EvalReport:
         return _ratio(self.mapped_tail, self.reference)
 
     @property
+    def retention_repaired(self) -> float | None:
+        return None if self.repaired is None else _ratio(self.repaired, self.reference)
+
+    @property
     def gap_closed(self) -> float | None:
         return _gap(self.mapped, self.source, self.reference)
 
@@ -65,9 +72,13 @@ class EvalReport:
     def gap_closed_tail(self) -> float | None:
         return _gap(self.mapped_tail, self.source, self.reference)
 
+    @property
+    def gap_closed_repaired(self) -> float | None:
+        return None if self.repaired is None else _gap(self.repaired, self.source, self.reference)
+
     def to_dict(self) -> dict:
         out = asdict(self)
-        for name in ("retention", "retention_tail", "gap_closed", "gap_closed_tail"):
+        for name in RATIOS:
             out[name] = getattr(self, name)
         out["mean_r2_k"], out["mean_r2_v"] = _mean(self.r2_k), _mean(self.r2_v)
         out["mean_attention_cosine"] = _mean(self.attention_cosine)
@@ -76,17 +87,11 @@ class EvalReport:
     def summary(self) -> dict[str, float]:
         """Flat scalar metrics, as recorded in a pack."""
         d = self.to_dict()
-        keys = (
-            "retention",
-            "retention_tail",
-            "gap_closed",
-            "gap_closed_tail",
-            "mean_r2_k",
-            "mean_r2_v",
-            "mean_attention_cosine",
-        )
+        keys = (*RATIOS, "mean_r2_k", "mean_r2_v", "mean_attention_cosine")
         out = {f"eval_{k}": d[k] for k in keys if d[k] is not None}
-        for name in ("reference", "mapped", "mapped_tail", "source", "no_prefix"):
+        for name in CONDITIONS:
+            if d[name] is None:
+                continue
             out[f"eval_{name}_accuracy"] = d[name]["accuracy"]
             out[f"eval_{name}_nll"] = d[name]["nll"]
         out.update(
@@ -95,6 +100,8 @@ class EvalReport:
             eval_continuation=self.continuation,
             eval_tail=self.tail,
         )
+        if self.repair is not None:
+            out["eval_repair"] = self.repair
         return out
 
     def table(self) -> str:
@@ -108,16 +115,28 @@ class EvalReport:
                 _pct(self.retention_tail),
                 _pct(self.gap_closed_tail),
             ),
+            *(
+                [
+                    (
+                        f"  + {self.repair}",
+                        self.repaired,
+                        _pct(self.retention_repaired),
+                        _pct(self.gap_closed_repaired),
+                    )
+                ]
+                if self.repaired is not None
+                else []
+            ),  # fmt: skip
             ("source model alone", self.source, _pct(_ratio(self.source, self.reference)), ""),
             ("target, no prefix", self.no_prefix, _pct(_ratio(self.no_prefix, self.reference)), ""),
         ]
         lines = [
             f"{self.windows} windows, prefix {self.prefix_len}, continuation {self.continuation}, "
             f"sink tokens {self.sink_tokens}",
-            f"{'condition':<40} {'top-1 acc':>9} {'NLL':>7} {'retention':>9} {'gap closed':>10}",
+            f"{'condition':<44} {'top-1 acc':>9} {'NLL':>7} {'retention':>9} {'gap closed':>10}",
         ]
         lines += [
-            f"{name:<40} {q.accuracy:>9.3f} {q.nll:>7.3f} {ret:>9} {gap:>10}"
+            f"{name:<44} {q.accuracy:>9.3f} {q.nll:>7.3f} {ret:>9} {gap:>10}"
             for name, q, ret, gap in rows
         ]
         lines.append(
@@ -133,6 +152,17 @@ class EvalReport:
             + ", ".join(f"layer {i} {self.attention_cosine[i]:.3f}" for i in worst)
         )
         return "\n".join(lines)
+
+
+CONDITIONS = ("reference", "mapped", "mapped_tail", "repaired", "source", "no_prefix")
+RATIOS = (
+    "retention",
+    "retention_tail",
+    "retention_repaired",
+    "gap_closed",
+    "gap_closed_tail",
+    "gap_closed_repaired",
+)
 
 
 @dataclass
@@ -209,11 +239,13 @@ def evaluate(
     continuation: int,
     tail: int = 32,
     runs: EvalRuns | None = None,
+    repair: Repair | None = None,
 ) -> EvalReport:
     """Fidelity of ``mapper`` on ``windows`` (each ``[>= prefix_len + continuation]`` token ids).
 
     Pass the same ``runs`` (an EvalRuns over these windows) to several calls to reuse the
-    models' own passes.
+    models' own passes. ``repair``: also score the hand-off that recomputes the tail and the
+    repair's anchors (picked by the source's draft after the prompt).
     """
     check_models(mapper, source.spec, target.spec)
     runs = runs or EvalRuns(windows, prefix_len, continuation)
@@ -226,8 +258,9 @@ def evaluate(
     acc = _Accumulator()
     for i in tqdm(range(len(windows)), desc="evaluating", unit="win"):
         _evaluate_window(
-            mapper, runs.get(source, i), runs.get(target, i), target, runs, i, tail, acc
-        )
+            mapper, runs.get(source, i), runs.get(target, i), source, target, runs, i, tail,
+            repair, acc,
+        )  # fmt: skip
     per_head_r2 = {kind: 1 - acc.sse[kind] / acc.sst[kind] for kind in ("k", "v")}
     return EvalReport(
         reference=acc.quality("reference"), mapped=acc.quality("mapped"),
@@ -237,18 +270,30 @@ def evaluate(
         attention_cosine=(acc.cosine / acc.windows).tolist(),
         windows=acc.windows, prefix_len=prefix_len, continuation=continuation, tail=tail,
         sink_tokens=mapper.sink_tokens,
+        repaired=acc.quality("repaired") if repair else None,
+        repair=None if repair is None else f"{tail}-token tail + {repair}",
     )  # fmt: skip
 
 
-def _evaluate_window(mapper, src: OwnRun, truth: OwnRun, target, runs: EvalRuns, i, tail, acc):
+def _evaluate_window(
+    mapper, src: OwnRun, truth: OwnRun, source, target, runs: EvalRuns, i, tail, repair, acc
+):
     window, prefix_len = runs.windows[i], runs.prefix_len
     acc.add_scores("reference", truth.own)
     acc.add_scores("source", src.own)
     acc.add_scores("no_prefix", truth.no_prefix)
-    for name, t in (("mapped", 0), ("mapped_tail", tail)):
+    conditions = [("mapped", 0, None), ("mapped_tail", tail, None)]
+    if repair is not None:
+        conditions.append(("repaired", tail, repair))
+    for name, t, plan in conditions:
         split = handoff_split(prefix_len, t)
-        source_prefix = src.cache.slice(0, split)
-        translated = translate_prefix(mapper, source_prefix, window[:split], target.model)
+        anchors = None
+        if plan is not None:
+            prompt = window[:prefix_len]
+            anchors = draft_anchors(source.model, src.cache, prompt, plan, t, mapper)
+        translated = translate_prefix(
+            mapper, src.cache.slice(0, split), window[:split], target.model, anchors
+        )
         acc.add_scores(name, continuation_scores(target.model, translated, window, prefix_len))
         if name == "mapped":
             _add_layer_fidelity(acc, translated, truth, target, mapper.sink_tokens)

@@ -3,8 +3,9 @@
 Both paths end in the same state: the target holds a cache for the whole prompt and the
 logits of its last token. Re-prefill is one forward over the prompt. The translated path is
 the map and ONE target forward (``transfer.handoff``) over the sink tokens, the ``tail`` and
-the last prompt token. What the sinks cost is measured as what they add to that forward
-(the same forward without them, side by side), and, for comparison, as a forward of their own.
+the last prompt token (and, with a ``Repair``, the anchors, after the source's draft picks
+them). What the sinks cost is measured as what they add to that forward (the same forward
+without them, side by side), and, for comparison, as a forward of their own.
 """
 
 from __future__ import annotations
@@ -17,16 +18,18 @@ import torch
 
 from .capture import LoadedModel, capture_kv, forward_scattered, run
 from .mapper import KVMapper
-from .transfer import handoff, handoff_positions, handoff_split
+from .transfer import Repair, draft_anchors, handoff, handoff_positions, handoff_split
 
 
 @dataclass
 class SpeedReport:
     """Seconds (medians of ``repeats``) for one prompt of ``tokens`` tokens on this machine.
 
-    handoff_seconds: the target's one forward over sinks + tail + last prompt token.
+    handoff_seconds: the target's one forward over sinks + anchors + tail + last prompt token.
     sink_seconds: what the sinks add to it (that forward minus the same one without sinks,
     floored at 0). separate_sink_seconds: a forward over the sinks alone (the unfused way).
+    draft_seconds: the source's draft that picks the anchors (0 without repair); anchors: how
+    many translated tokens the hand-off forward recomputes besides the sinks.
     """
 
     tokens: int
@@ -37,6 +40,8 @@ class SpeedReport:
     prefill_seconds: float
     repeats: int
     separate_sink_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    anchors: int = 0
 
     @property
     def translate_seconds(self) -> float:
@@ -45,8 +50,8 @@ class SpeedReport:
 
     @property
     def total_seconds(self) -> float:
-        """Everything the translated path runs: the map and the hand-off forward."""
-        return self.map_seconds + self.handoff_seconds
+        """Everything the translated path runs: the map, the draft and the hand-off forward."""
+        return self.map_seconds + self.draft_seconds + self.handoff_seconds
 
     @property
     def speedup(self) -> float:
@@ -81,6 +86,7 @@ def measure_speed(
     repeats: int = 3,
     tail: int = 0,
     prefill_seconds: float | None = None,
+    repair: Repair | None = None,
 ) -> SpeedReport:
     """Time the translated path vs the target's prefill of ``token_ids: [tokens]``.
 
@@ -90,10 +96,14 @@ def measure_speed(
     prompt_len = token_ids.numel()
     split = handoff_split(prompt_len, tail)
     source_cache = capture_kv(source.model, token_ids[:split])
-    handoff(mapper, source_cache, token_ids, target.model, tail)  # warm-up
+    handoff(mapper, source_cache, token_ids, target.model, tail, repair, source.model)  # warm-up
     mapped = mapper.map(source_cache)
-    fused = handoff_positions(prompt_len, tail, mapper.sink_tokens)
-    rest = handoff_positions(prompt_len, tail, 0)
+    anchors, draft_seconds = None, 0.0
+    if repair is not None and repair.anchors:
+        pick = lambda: draft_anchors(source.model, source_cache, token_ids, repair, tail, mapper)  # noqa: E731
+        anchors, draft_seconds = pick(), _timed(pick, repeats)
+    fused = handoff_positions(prompt_len, tail, mapper.sink_tokens, anchors)
+    rest = handoff_positions(prompt_len, tail, 0, anchors)
     handoff_seconds = _timed(
         lambda: forward_scattered(target.model, mapped, token_ids, fused, 1), repeats
     )
@@ -113,6 +123,8 @@ def measure_speed(
         separate_sink_seconds=_timed(lambda: capture_kv(target.model, sinks), repeats)
         if sinks.numel()
         else 0.0,
+        draft_seconds=draft_seconds,
+        anchors=0 if anchors is None else anchors.numel(),
     )
 
 

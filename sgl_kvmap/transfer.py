@@ -7,30 +7,64 @@ sinks map badly, so the target computes its own KV for the first ``mapper.sink_t
 tokens: a forward over a handful of tokens, exact because attention is causal. ``handoff`` does
 the whole hand-off with ONE target forward: the sink tokens ride in the forward over the tail
 and the last prompt token (a scattered forward), so the target's weights are read once.
+
+Repair (``Repair``): the same forward can also recompute chosen translated tokens ("anchors"),
+the prompt tokens that the answer is likely to read. The source, whose cache is exact, drafts a
+few tokens greedily after the prompt; the translated tokens its drafted queries attend to most
+are the anchors. (The continuation's own attention picks the tokens that matter; the prompt's
+last queries pick worse: see the README's fidelity section.)
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from .capture import ForwardResult, KVCache, capture_kv, forward_scattered, run
+from .capture import ForwardResult, KVCache, forward_scattered, recompute_tokens, run
+from .errors import KVMapError
 from .mapper import KVMapper
+from .token_weights import attention_paid
+
+
+@dataclass(frozen=True)
+class Repair:
+    """Translated prompt tokens the target recomputes at hand-off, and how they are picked.
+
+    anchors: how many translated tokens to recompute (besides the sinks and the tail).
+    draft: tokens the source drafts greedily after the prompt over its own cache; the anchors
+    are the translated tokens that the queries of the last prompt token and of the drafted
+    tokens attend to most (mean over the source's layers and heads).
+    """
+
+    anchors: int
+    draft: int = 8
+
+    def __post_init__(self) -> None:
+        if self.anchors < 0 or self.draft < 1:
+            raise KVMapError(f"need anchors >= 0 and draft >= 1, got {self}")
+
+    def __str__(self) -> str:
+        return f"{self.anchors} anchors by a {self.draft}-token source draft"
 
 
 def translate_prefix(
-    mapper: KVMapper, source_cache: KVCache, token_ids: torch.Tensor, target_model
+    mapper: KVMapper,
+    source_cache: KVCache,
+    token_ids: torch.Tensor,
+    target_model,
+    anchors: torch.Tensor | None = None,
 ) -> KVCache:
     """Target cache for ``token_ids: [t]`` from the source's cache of the same tokens (t layers x
-    [t, kv_s, d_s]), with the first ``mapper.sink_tokens`` tokens computed by ``target_model``."""
+    [t, kv_s, d_s]), with the first ``mapper.sink_tokens`` tokens and the ``anchors: [A]``
+    (indices in [0, t)) recomputed by ``target_model`` in one scattered forward."""
     if len(source_cache) != token_ids.numel():
         raise ValueError(
             f"source cache holds {len(source_cache)} tokens, token_ids {token_ids.numel()}"
         )
     mapped = mapper.map(source_cache)
-    sinks = min(mapper.sink_tokens, token_ids.numel())
-    if sinks == 0:
-        return mapped
-    return mapped.replace_front(capture_kv(target_model, token_ids[:sinks]))
+    positions = _with_sinks(anchors, mapper.sink_tokens, token_ids.numel())
+    return recompute_tokens(target_model, mapped, token_ids, positions)
 
 
 def handoff(
@@ -39,14 +73,17 @@ def handoff(
     token_ids: torch.Tensor,
     target_model,
     tail: int = 0,
+    repair: Repair | None = None,
+    source_model=None,
 ) -> ForwardResult:
     """The whole hand-off of a prompt ``token_ids: [P]`` to the target, in one target forward.
 
     source_cache: the source's KV of (at least) the first ``handoff_split(P, tail)`` tokens.
     Maps them, then one forward of ``target_model`` computes the sink tokens (over the mapped
-    cache, replacing their mapped rows), the ``tail`` tokens and the last prompt token. The
-    same result as ``translate_prefix`` followed by a forward over the rest of the prompt, at
-    the cost of one forward. Returns the target's cache of all P tokens and the logits
+    cache, replacing their mapped rows), the ``repair`` anchors (picked by ``source_model``'s
+    draft, see ``draft_anchors``), the ``tail`` tokens and the last prompt token. The same
+    result as ``translate_prefix`` followed by a forward over the rest of the prompt, at the
+    cost of one forward. Returns the target's cache of all P tokens and the logits
     ``[1, vocab]`` of the last one.
     """
     split = handoff_split(token_ids.numel(), tail)
@@ -56,16 +93,85 @@ def handoff(
         )
     if split == 0:
         return run(target_model, token_ids, logits_to_keep=1)
+    anchors = None
+    if repair is not None and repair.anchors:
+        if source_model is None:
+            raise KVMapError("a hand-off with repair needs the source model (it drafts)")
+        anchors = draft_anchors(source_model, source_cache, token_ids, repair, tail, mapper)
     mapped = mapper.map(source_cache.slice(0, split))
-    positions = handoff_positions(token_ids.numel(), tail, mapper.sink_tokens)
+    positions = handoff_positions(token_ids.numel(), tail, mapper.sink_tokens, anchors)
     return forward_scattered(target_model, mapped, token_ids, positions, logits_to_keep=1)
 
 
-def handoff_positions(prompt_len: int, tail: int, sink_tokens: int) -> torch.Tensor:
-    """Positions [N] the target computes in the hand-off forward: the sink tokens (within the
-    translated part) and every prompt token from ``handoff_split(prompt_len, tail)`` on."""
+def draft_anchors(
+    source_model,
+    source_cache: KVCache,
+    token_ids: torch.Tensor,
+    repair: Repair,
+    tail: int,
+    mapper: KVMapper,
+) -> torch.Tensor:
+    """The ``repair.anchors`` translated tokens of a hand-off to recompute: [A] ascending
+    indices in [sink_tokens, handoff_split(P, tail)) for the prompt ``token_ids: [P]``.
+
+    source_cache: the source's KV of (at least) the translated tokens; the source reads the
+    rest of the prompt over it, then drafts ``repair.draft - 1`` more tokens greedily.
+    """
+    prompt_len = token_ids.numel()
     split = handoff_split(prompt_len, tail)
-    return torch.cat((torch.arange(min(sink_tokens, split)), torch.arange(split, prompt_len)))
+    paid = draft_attention(source_model, source_cache, token_ids, repair.draft)
+    return top_attended(paid[:split], repair.anchors, mapper.sink_tokens)
+
+
+def draft_attention(
+    source_model, source_cache: KVCache, token_ids: torch.Tensor, draft: int
+) -> torch.Tensor:
+    """Attention the source pays each of the first P - 1 prompt tokens (``token_ids: [P]``)
+    while it drafts: the queries of the last prompt token and of ``draft - 1`` tokens decoded
+    greedily after it, summed over those queries, mean over layers and heads. Returns [P - 1].
+
+    source_cache: the source's KV of the first c tokens of the prompt (c >= 1); the source
+    reads tokens c .. P - 1 over it first.
+    """
+    prompt_len, cached = token_ids.numel(), min(len(source_cache), token_ids.numel() - 1)
+    if cached < 1 or draft < 1:
+        raise KVMapError(f"a draft needs a cached prompt token and draft >= 1, got {draft}")
+    step = run(source_model, token_ids[cached:], past=source_cache.slice(0, cached),
+               logits_to_keep=1, want_queries=True)  # fmt: skip
+    queries = [[q[-1:]] for q in step.queries]
+    for _ in range(draft - 1):
+        token = step.logits[-1].argmax()[None]
+        step = run(source_model, token, past=step.cache, logits_to_keep=1, want_queries=True)
+        for layer, q in zip(queries, step.queries):
+            layer.append(q)
+    paid = attention_paid([torch.cat(q) for q in queries], step.cache.keys)
+    return paid[: prompt_len - 1]
+
+
+def top_attended(attention: torch.Tensor, count: int, start: int = 0) -> torch.Tensor:
+    """The ``count`` indices in [start, T) of most ``attention: [T]``, ascending."""
+    count = max(0, min(count, attention.numel() - start))
+    return (attention[start:].topk(count).indices + start).sort().values
+
+
+def handoff_positions(
+    prompt_len: int, tail: int, sink_tokens: int, anchors: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Positions [N] the target computes in the hand-off forward: the sink tokens and the
+    ``anchors`` (within the translated part) and every prompt token from
+    ``handoff_split(prompt_len, tail)`` on."""
+    split = handoff_split(prompt_len, tail)
+    return torch.cat((_with_sinks(anchors, sink_tokens, split), torch.arange(split, prompt_len)))
+
+
+def _with_sinks(anchors: torch.Tensor | None, sink_tokens: int, translated: int) -> torch.Tensor:
+    """The sink positions and ``anchors`` (within ``translated`` tokens), sorted, distinct."""
+    sinks = torch.arange(min(sink_tokens, translated))
+    if anchors is None or anchors.numel() == 0:
+        return sinks
+    if anchors.min() < 0 or anchors.max() >= translated:
+        raise ValueError(f"anchors must lie in [0, {translated}), got {anchors}")
+    return torch.cat((sinks, anchors)).unique()
 
 
 def handoff_split(prompt_len: int, tail: int) -> int:

@@ -1,0 +1,130 @@
+"""Hand-off repair: anchors picked by a source draft, recomputed in the hand-off forward."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from sgl_kvmap import evaluate
+from sgl_kvmap.capture import capture_kv, run
+from sgl_kvmap.errors import KVMapError
+from sgl_kvmap.texts import eval_windows, expand_paths
+from sgl_kvmap.timing import measure_speed
+from sgl_kvmap.token_weights import attention_paid
+from sgl_kvmap.transfer import (
+    Repair,
+    draft_anchors,
+    draft_attention,
+    handoff,
+    handoff_split,
+    top_attended,
+    translate_prefix,
+)
+
+from .test_recompute import assert_same_cache
+
+
+def greedy_continuation(model, ids: torch.Tensor, steps: int) -> torch.Tensor:
+    """``ids`` followed by ``steps`` greedily decoded tokens, decoding from scratch each step."""
+    for _ in range(steps):
+        logits = run(model, ids, logits_to_keep=1).logits
+        ids = torch.cat((ids, logits[-1].argmax()[None]))
+    return ids
+
+
+def test_draft_attention_is_the_attention_of_the_drafted_tokens(tiny_pair):
+    """Reference: decode greedily from scratch, then read the queries of the last prompt token
+    and the drafted tokens in one plain forward over prompt + draft."""
+    source = tiny_pair[0].model
+    ids = torch.randint(0, 100, (30,))
+    for cached in (29, 20):  # the source cache may stop short of the prompt's last token
+        got = draft_attention(source, capture_kv(source, ids[:cached]), ids, draft=5)
+        drafted = greedy_continuation(source, ids, 4)
+        whole = run(source, drafted, want_queries=True)
+        want = attention_paid([q[-5:] for q in whole.queries], whole.cache.keys)[:29]
+        assert got.shape == (29,)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_top_attended_takes_the_largest_after_start():
+    attention = torch.tensor([9.0, 1.0, 5.0, 0.5, 7.0, 2.0])
+    assert top_attended(attention, 2, start=1).tolist() == [2, 4]
+    assert top_attended(attention, 3).tolist() == [0, 2, 4]
+    assert top_attended(attention, 99, start=4).tolist() == [4, 5]  # capped at what is left
+
+
+def test_draft_anchors_are_the_most_attended_translated_tokens(tiny_pair, tiny_mapper):
+    source = tiny_pair[0].model
+    mapper = dataclasses.replace(tiny_mapper, sink_tokens=3)
+    ids = torch.randint(0, 100, (40,))
+    tail, repair = 6, Repair(anchors=5, draft=4)
+    split = handoff_split(40, tail)
+    cache = capture_kv(source, ids[:split])
+    anchors = draft_anchors(source, cache, ids, repair, tail, mapper)
+    paid = draft_attention(source, cache, ids, repair.draft)[:split]
+    assert anchors.numel() == 5 and anchors.min() >= 3 and anchors.max() < split
+    assert torch.equal(anchors, anchors.sort().values)
+    rest = torch.ones(split, dtype=torch.bool)
+    rest[:3] = rest[anchors] = False
+    assert paid[anchors].min() >= paid[rest].max()
+
+
+@pytest.mark.parametrize("tail", [0, 5])
+def test_repaired_handoff_equals_repaired_prefix_then_the_rest(tiny_pair, tiny_mapper, tail):
+    source, target = tiny_pair
+    mapper = dataclasses.replace(tiny_mapper, sink_tokens=2)
+    ids = torch.randint(0, 100, (40,))
+    split, repair = handoff_split(40, tail), Repair(anchors=6, draft=3)
+    source_cache = capture_kv(source.model, ids[:split])
+    got = handoff(mapper, source_cache, ids, target.model, tail, repair, source.model)
+    anchors = draft_anchors(source.model, source_cache, ids, repair, tail, mapper)
+    repaired = translate_prefix(mapper, source_cache, ids[:split], target.model, anchors)
+    want = run(target.model, ids[split:], past=repaired, logits_to_keep=1)
+    assert_same_cache(got.cache, want.cache)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4)
+    plain = handoff(mapper, source_cache, ids, target.model, tail)
+    assert not torch.allclose(got.cache.keys[1][anchors], plain.cache.keys[1][anchors])
+    others = torch.ones(split, dtype=torch.bool)
+    others[:2] = others[anchors] = False
+    torch.testing.assert_close(
+        got.cache.keys[1][:split][others], plain.cache.keys[1][:split][others]
+    )
+    with pytest.raises(KVMapError, match="needs the source model"):
+        handoff(mapper, source_cache, ids, target.model, tail, repair)
+
+
+def test_repair_settings_are_checked():
+    with pytest.raises(KVMapError):
+        Repair(anchors=-1)
+    with pytest.raises(KVMapError):
+        Repair(anchors=4, draft=0)
+    assert str(Repair(8, 2)) == "8 anchors by a 2-token source draft"
+
+
+def test_evaluated_repair_spans_mapped_tail_to_the_target_itself(tiny_pair, tiny_mapper, text_dir):
+    """No anchors: the repaired hand-off is the tail hand-off. Every translated token an anchor:
+    the target has recomputed the whole prompt, so it scores as on its own cache."""
+    source, target = tiny_pair
+    windows = eval_windows(target.tokenizer, expand_paths([text_dir / "eval"]), 80, 2)
+
+    def report(anchors):
+        return evaluate(tiny_mapper, source, target, windows, 64, 16, tail=4,
+                        repair=Repair(anchors, draft=2))  # fmt: skip
+
+    none, every = report(0), report(10_000)
+    assert none.repaired == none.mapped_tail
+    assert every.repaired.accuracy == every.reference.accuracy
+    assert every.repaired.nll == pytest.approx(every.reference.nll, rel=1e-4)
+    assert every.mapped.nll != pytest.approx(every.reference.nll, rel=1e-4)
+    assert every.summary()["eval_repaired_nll"] == every.repaired.nll
+    assert "2-token source draft" in every.table()
+
+
+def test_speed_with_repair_counts_the_draft(tiny_pair, tiny_mapper):
+    source, target = tiny_pair
+    ids = torch.randint(0, 100, (48,))
+    speed = measure_speed(tiny_mapper, source, target, ids, repeats=1, repair=Repair(7, 3))
+    assert speed.anchors == 7 and speed.draft_seconds > 0
+    assert speed.total_seconds == pytest.approx(
+        speed.map_seconds + speed.draft_seconds + speed.handoff_seconds
+    )
