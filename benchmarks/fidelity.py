@@ -1,10 +1,13 @@
 """Fidelity loop on the real pair: run named configurations, one results row per direction.
 
     python benchmarks/fidelity.py base-16k cal-64k sink-0 [--windows 16] [--tails 0,8,32,128]
+        [--repair ANCHORS:DRAFT]
 
 Each configuration fits both directions of the embedded Qwen2.5-Coder 0.5B/1.5B pair and
 evaluates them on held-out text (never calibration text, never used to choose settings), beside
-the target's own cache, the source alone and no prefix, at every tail length in --tails.
+the target's own cache, the source alone and no prefix, at every tail length in --tails, and,
+with --repair, the hand-off that also recomputes that many anchors picked by a source draft of
+that many tokens (``transfer.Repair``, over the main tail).
 Calibration statistics are cached per token budget under $SGL_KVMAP_CACHE/stats and grown
 from the largest smaller budget, so a new budget only captures the windows it adds.
 
@@ -37,6 +40,7 @@ from sgl_kvmap.default_pair import LARGE, SMALL, cache_root, ensure_model
 from sgl_kvmap.evaluate import EvalRuns, evaluate
 from sgl_kvmap.texts import default_eval_files, eval_windows, prompt_of_length
 from sgl_kvmap.timing import measure_speed
+from sgl_kvmap.transfer import Repair
 
 RESULTS = Path(__file__).parent / "results"
 BASE = CalibrationConfig(tokens=16384)
@@ -75,7 +79,17 @@ HELDOUT_SPLIT = "every 8th file"
 # only (each direction's statistics take GBs)
 WEIGHTINGS = {0.0: True, 0.5: False, 1.0: False}  # attention power -> both directions
 DIRECTIONS = ("0.5B->1.5B", "1.5B->0.5B")
-CONDITIONS = ("reference", "mapped", "mapped_tail", "source", "no_prefix")
+CONDITIONS = ("reference", "mapped", "mapped_tail", "repaired", "source", "no_prefix")
+
+
+def _repair(ctx, param, value: str | None) -> Repair | None:
+    if value is None:
+        return None
+    try:
+        anchors, draft = map(int, value.split(":"))
+        return Repair(anchors, draft)
+    except ValueError as error:
+        raise click.BadParameter(f"expected ANCHORS:DRAFT, got {value!r}") from error
 
 
 @click.command()
@@ -93,7 +107,14 @@ CONDITIONS = ("reference", "mapped", "mapped_tail", "source", "no_prefix")
     type=click.Choice(DIRECTIONS),
     help="Evaluate only these directions (default: both).",
 )
-def main(names, windows, prefix_len, continuation, tails, main_tail, speed_tokens, directions):
+@click.option(
+    "--repair",
+    callback=_repair,
+    help="Also score (and time) the hand-off repair ANCHORS:DRAFT over the main tail.",
+)
+def main(
+    names, windows, prefix_len, continuation, tails, main_tail, speed_tokens, directions, repair
+):
     tails = sorted({0, main_tail, *map(int, tails.split(","))})
     small, large = load_model(str(ensure_model(SMALL))), load_model(str(ensure_model(LARGE)))
     eval_ids = eval_windows(
@@ -120,7 +141,17 @@ def main(names, windows, prefix_len, continuation, tails, main_tail, speed_token
                 continue  # not asked for, or this weighting was captured for one direction only
             mapper, fit, solve_seconds = fitted
             reports = {
-                t: evaluate(mapper, source, target, eval_ids, prefix_len, continuation, t, runs)
+                t: evaluate(
+                    mapper,
+                    source,
+                    target,
+                    eval_ids,
+                    prefix_len,
+                    continuation,
+                    t,
+                    runs,
+                    repair if t == main_tail else None,
+                )  # fmt: skip
                 for t in tails
             }
             speeds = {
@@ -134,6 +165,11 @@ def main(names, windows, prefix_len, continuation, tails, main_tail, speed_token
                 )
                 for t in (0, main_tail)
             }
+            if repair is not None:
+                speeds["repaired"] = measure_speed(
+                    mapper, source, target, prompt, tail=main_tail,
+                    prefill_seconds=speeds[0].prefill_seconds, repair=repair,
+                )  # fmt: skip
             prefill_seconds[direction] = speeds[0].prefill_seconds
             row = _row(
                 name, direction, config, capture_seconds, fit, solve_seconds, reports, speeds,
@@ -222,19 +258,16 @@ def _row(
         "attention_cosine": base.to_dict()["mean_attention_cosine"],
         "attention_cosine_by_layer": base.attention_cosine,
         "r2_by_layer": {"k": base.r2_k, "v": base.r2_v},
-        "accuracy": {
-            n: getattr(tailed, n).accuracy
-            for n in ("reference", "mapped", "mapped_tail", "source", "no_prefix")
-        },
-        "nll": {
-            n: getattr(tailed, n).nll
-            for n in ("reference", "mapped", "mapped_tail", "source", "no_prefix")
-        },
+        "accuracy": {n: getattr(tailed, n).accuracy for n in CONDITIONS if getattr(tailed, n)},
+        "nll": {n: getattr(tailed, n).nll for n in CONDITIONS if getattr(tailed, n)},
         "main_tail": main_tail,
+        "repair": tailed.repair,
         "retention": base.retention,
         "retention_tail": tailed.retention_tail,
+        "retention_repaired": tailed.retention_repaired,
         "gap_closed": base.gap_closed,
         "gap_closed_tail": tailed.gap_closed_tail,
+        "gap_closed_repaired": tailed.gap_closed_repaired,
         "tail_curve": {
             t: {"accuracy": r.mapped_tail.accuracy, "nll": r.mapped_tail.nll}
             for t, r in reports.items()
@@ -251,6 +284,7 @@ def _row(
             "prefill_seconds": fast.prefill_seconds,
             "speedup_map_sinks": fast.speedup,
             "speedup_end_to_end": {0: fast.end_to_end_speedup, main_tail: slow.end_to_end_speedup},
+            "repaired": speeds["repaired"].to_dict() if "repaired" in speeds else None,
         },
         "eval": {
             "windows": base.windows,
@@ -283,6 +317,7 @@ TABLE = [  # header, cell of one row
     ("retention (0 / T)", lambda r: f"{_f(r['retention'])} / {_f(r['retention_tail'])}"),
     ("gap closed (0 / T)", lambda r: f"{_f(r['gap_closed'])} / {_f(r['gap_closed_tail'])}"),
     ("NLL mapped / +T", lambda r: f"{r['nll']['mapped']:.3f} / {r['nll']['mapped_tail']:.3f}"),
+    ("+T + repair", lambda r: _repaired(r)),
     ("fit s", lambda r: f"{r['fit_seconds']:.0f}"),
     (
         "map+sinks s",
@@ -294,6 +329,17 @@ TABLE = [  # header, cell of one row
     ("x map+sinks", lambda r: f"{r['translate']['speedup_map_sinks']:.1f}"),
     ("x end-to-end (0 / T)", lambda r: _end_to_end(r)),
 ]
+
+
+def _repaired(r: dict) -> str:
+    """Accuracy, retention, gap closed and end-to-end speedup of the repaired hand-off."""
+    if not r.get("repair"):
+        return "-"
+    gap, speed = r["gap_closed_repaired"], r["translate"]["repaired"]
+    return (
+        f"{r['accuracy']['repaired']:.3f} (ret {_f(r['retention_repaired'])}, gap {_f(gap)}, "
+        f"{speed['end_to_end_speedup']:.1f}x; {r['repair']})"
+    )
 
 
 def _end_to_end(r: dict) -> str:

@@ -52,13 +52,20 @@ from sgl_kvmap.default_pair import LARGE, SMALL, ensure_model
 from sgl_kvmap.evaluate import EvalRuns, continuation_scores
 from sgl_kvmap.texts import default_eval_files, eval_windows
 from sgl_kvmap.token_weights import attention_paid
-from sgl_kvmap.transfer import Repair, draft_anchors, top_attended, translate_prefix
+from sgl_kvmap.transfer import (
+    Repair,
+    draft_anchors,
+    draft_attention,
+    top_attended,
+    translate_prefix,
+)
 
 PROBE = 16  # prompt tokens recomputed first; their attention picks the anchors
 SELECTOR_ANCHORS = 112  # + the PROBE tail: 128 recomputed tokens for every selector
 PARTS = ("swaps", "recompute", "selectors", "draft", "repair", "lazy")
 DRAFT = 32  # tokens the source drafts after the prompt; their attention picks the anchors
-REPAIRS = [Repair(a, d) for a in (48, 112, 240) for d in (1, 8, 32)]
+DRAFTS = (1, 8, 32)
+REPAIRS = [Repair(a, d) for a in (48, 112, 240) for d in DRAFTS]
 LAZY = [  # (hand-off repair or None, chunk of continuation tokens, tokens repaired per chunk)
     (None, 8, 16),
     (None, 4, 8),
@@ -151,7 +158,7 @@ def conditions(mapper, src, truth, source, target, window, prefix_len, worst, pa
     if "draft" in parts:
         out.update(draft_lever(mapped, src, source, target, window[: split + 1], mapper))
     if "repair" in parts:
-        out.update(repair_levers(src, source, target, window[: split + 1], mapper))
+        out.update(repair_levers(src, exact, source, target, window[: split + 1], mapper))
     if "lazy" in parts:
         out.update(lazy_levers(src, source, target, window, prefix_len, mapper))
     return out
@@ -259,12 +266,16 @@ def draft_lever(mapped, src, source, target, prompt, mapper) -> dict:
     }
 
 
-def repair_levers(src, source, target, prompt, mapper) -> dict:
-    """The library's hand-off repair (sinks + anchors by a source draft), for every REPAIRS."""
+def repair_levers(src, exact, source, target, prompt, mapper) -> dict:
+    """The library's hand-off repair (sinks + anchors by a source draft) for every REPAIRS
+    (each draft length drafted once), and the translated cache with the target's own layer 0
+    (exact from the token ids alone: its K/V read no context)."""
     split = prompt.numel() - 1
-    out = {}
+    mapped = translate_prefix(mapper, src.cache.slice(0, split), prompt[:split], target.model)
+    out = {"translated, target's own layer 0": (swap(mapped, exact, [0], [0]), 0)}
+    paid = {d: draft_attention(source.model, src.cache, prompt, d) for d in DRAFTS}
     for repair in REPAIRS:
-        anchors = draft_anchors(source.model, src.cache, prompt, repair, 0, mapper)
+        anchors = top_attended(paid[repair.draft], repair.anchors, mapper.sink_tokens)
         cache = translate_prefix(
             mapper, src.cache.slice(0, split), prompt[:split], target.model, anchors
         )

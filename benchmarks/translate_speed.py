@@ -1,10 +1,12 @@
 """Translate a prefix vs re-prefill it with the target, side by side in one run.
 
     python benchmarks/translate_speed.py PACK [PACK ...] [--tokens 512 --tokens 2048]
+        [--dtype float32|bfloat16]
 
 For each pack (e.g. the two written by `sgl-kvmap demo`), loads its source and target from
 the paths recorded in the pack, and times at each prefix length: the mapper (unrope, matrix
-products, rope), the target's forward over its sink tokens, and the target's own prefill.
+products, rope), the target's forward over its sink tokens, and the target's own prefill, with
+both models (and so the caches and the map's matrix products) in --dtype.
 Prints a table; writes benchmarks/results/translate_speed.json. No asserts: benchmarks measure.
 """
 
@@ -30,11 +32,15 @@ RESULTS = Path(__file__).parent / "results" / "translate_speed.json"
     "--tokens", "token_counts", multiple=True, type=int, default=[512, 2048], show_default=True
 )
 @click.option("--repeats", default=3, show_default=True)
-def main(packs, token_counts, repeats) -> None:
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32")
+def main(packs, token_counts, repeats, dtype) -> None:
     rows = []
     for pack in packs:
         mapper = KVMapper.from_pretrained(pack)
-        source, target = load_model(mapper.source.model_id), load_model(mapper.target.model_id)
+        source, target = (
+            load_model(spec.model_id, dtype=getattr(torch, dtype))
+            for spec in (mapper.source, mapper.target)
+        )
         for tokens in token_counts:
             speed = measure_speed(
                 mapper, source, target, prompt_of_length(target.tokenizer, tokens), repeats
@@ -42,13 +48,14 @@ def main(packs, token_counts, repeats) -> None:
             rows.append(
                 {
                     "pack": str(pack),
+                    "dtype": dtype,
                     "k": mapper.k,
                     "sink_tokens": mapper.sink_tokens,
                     **speed.to_dict(),
                 }
             )
             print(
-                f"{Path(pack).name:<16} k={mapper.k:<3} {tokens:>6} tokens: "
+                f"{Path(pack).name:<16} {dtype} k={mapper.k:<3} {tokens:>6} tokens: "
                 f"map {speed.map_seconds:.3f} s, sinks {speed.sink_seconds:.3f} s, "
                 f"hand-off {speed.handoff_seconds:.3f} s, "
                 f"re-prefill {speed.prefill_seconds:.2f} s; "

@@ -164,22 +164,37 @@ def fit(
     default=None,
     help="Target model (default: the path recorded in the pack).",
 )
+@click.option(
+    "--anchors",
+    default=0,
+    show_default=True,
+    help="Also score the hand-off repair: translated tokens the target recomputes, picked by "
+    "the source's draft (0: off).",
+)
+@click.option(
+    "--draft", default=8, show_default=True, help="Tokens the source drafts to pick them."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def eval_(
-    pack, texts, prefix_len, continuation, tail, windows, source_path, target_path, as_json
-) -> None:
+    pack, texts, prefix_len, continuation, tail, windows, source_path, target_path, anchors,
+    draft, as_json,
+) -> None:  # fmt: skip
     """Measure a pack's fidelity on held-out text, beside target, source and no-prefix baselines."""
     from .capture import load_model
     from .evaluate import evaluate
     from .mapper import KVMapper
     from .texts import default_eval_files, eval_windows, expand_paths
+    from .transfer import Repair
 
+    repair = Repair(anchors, draft) if anchors else None
     mapper = KVMapper.from_pretrained(pack)
     source = load_model(source_path or mapper.source.model_id)
     target = load_model(target_path or mapper.target.model_id)
     files = expand_paths(texts) if texts else default_eval_files()
     token_windows = eval_windows(target.tokenizer, files, prefix_len + continuation, windows)
-    report = evaluate(mapper, source, target, token_windows, prefix_len, continuation, tail)
+    report = evaluate(
+        mapper, source, target, token_windows, prefix_len, continuation, tail, repair=repair
+    )
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.table())
 
 

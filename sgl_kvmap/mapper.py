@@ -61,13 +61,19 @@ class KVMapper:
                         f"{tuple(m.bias.shape)}, expected {want}/{want[1:]}"
                     )
 
-    def map(self, source_cache: KVCache) -> KVCache:
+    def map(self, source_cache: KVCache, matmul_dtype: torch.dtype | None = None) -> KVCache:
         """Reference map: source_cache Ls x [t, kv_s, d_s] -> Lt x [t, kv_t, d_t], both post-RoPE.
 
-        Math in float32; the result has the source cache's dtype and the same positions. Target
-        layers that read the same source layers share one feature matrix and one matrix product.
+        RoPE in float32, the matrix products in ``matmul_dtype`` (default: the cache's dtype if
+        it is a 16-bit float, as an engine's GEMMs run, else float32; bfloat16 runs on a CPU's
+        AMX units or a GPU's tensor cores); the result has the source cache's dtype and the
+        same positions. Target layers that read the same source
+        layers share one feature matrix and one matrix product.
         """
         self._check_source(source_cache)
+        if matmul_dtype is None:
+            half = source_cache.keys[0].dtype in (torch.bfloat16, torch.float16)
+            matmul_dtype = source_cache.keys[0].dtype if half else torch.float32
         positions, t = source_cache.positions, len(source_cache)
         src_tables, tgt_tables = (
             tables_for_spec(self.source, positions),
@@ -83,11 +89,10 @@ class KVMapper:
         mapped = {kind: [None] * self.target.num_layers for kind in KINDS}
         for sources, layers in self._layer_groups().items():
             for kind in KINDS:
-                x = torch.cat([features[kind][s] for s in sources], dim=1)
-                weight, bias = self._stacked(kind, layers)
-                for layer, y in zip(
-                    layers, torch.addmm(bias, x, weight).split(self.target.kv_width, dim=1)
-                ):
+                x = torch.cat([features[kind][s] for s in sources], dim=1).to(matmul_dtype)
+                weight, bias = self._stacked(kind, layers, matmul_dtype)
+                y_all = torch.addmm(bias, x, weight).float()
+                for layer, y in zip(layers, y_all.split(self.target.kv_width, dim=1)):
                     mapped[kind][layer] = y.reshape(
                         t, self.target.num_kv_heads, self.target.head_dim
                     )
@@ -104,14 +109,17 @@ class KVMapper:
             groups.setdefault(tuple(sources), []).append(layer)
         return groups
 
-    def _stacked(self, kind: str, layers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Weights [k * ws, len(layers) * wt] and biases of target layers that share a selection."""
-        key = (kind, tuple(layers))
+    def _stacked(
+        self, kind: str, layers: list[int], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weights [k * ws, len(layers) * wt] and biases of target layers that share a selection,
+        in ``dtype``."""
+        key = (kind, tuple(layers), dtype)
         if key not in self._stack_cache:
             maps = [self.maps[kind][layer] for layer in layers]
             self._stack_cache[key] = (
-                torch.cat([m.weight for m in maps], 1),
-                torch.cat([m.bias for m in maps]),
+                torch.cat([m.weight for m in maps], 1).to(dtype),
+                torch.cat([m.bias for m in maps]).to(dtype),
             )
         return self._stack_cache[key]
 

@@ -67,6 +67,10 @@ def test_eval_json_has_every_baseline(fitted_pack, text_dir):
         "4",
         "--windows",
         "2",
+        "--anchors",
+        "6",
+        "--draft",
+        "2",
         "--json",
     ]
     result = CliRunner().invoke(main, args)
@@ -76,6 +80,8 @@ def test_eval_json_has_every_baseline(fitted_pack, text_dir):
         report
     )
     assert report["windows"] == 2 and report["tail"] == 4
+    assert report["repair"] == "4-token tail + 6 anchors by a 2-token source draft"
+    assert report["repaired"]["nll"] > 0 and "retention_repaired" in report
 
 
 def test_a_damaged_pack_fails_with_the_reason(fitted_pack, tmp_path):

@@ -135,3 +135,15 @@ def test_mapping_between_a_model_and_itself_is_near_exact(tiny_pair):
     src = capture_kv(model.model, torch.randint(0, 100, (30,)))
     for got, want in zip(mapper.map(src).keys, src.keys):
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+
+def test_bfloat16_matrix_products_stay_within_bfloat16_rounding(exact_problem):
+    """matmul_dtype=bfloat16 changes the map by about bf16's precision (2^-8), no more."""
+    source, _, _, stats = exact_problem
+    mapper, _ = fit_from_statistics(stats, CalibrationConfig(ridge=1e-6, top_k=2))
+    src = capture_kv(source.model, torch.randint(0, 100, (80,)))
+    exact, fast = mapper.map(src), mapper.map(src, matmul_dtype=torch.bfloat16)
+    for e, f in zip(exact.keys + exact.values, fast.keys + fast.values):
+        assert f.dtype == torch.float32
+        relative = (f - e).norm() / e.norm()
+        assert 1e-5 < relative < 2e-2  # really computed in bf16, and close
