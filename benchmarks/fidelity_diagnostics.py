@@ -74,6 +74,7 @@ LAZY = [  # (hand-off repair or None, chunk of continuation tokens, tokens repai
 ]
 ORACLE = "oracle selection"
 WORST_LAYERS = 5
+LAYER0 = "exact"  # translated caches carry the target's own layer 0 (transfer.translate_prefix)
 
 
 @click.command()
@@ -138,6 +139,8 @@ def main(name, windows, prefix_len, continuation, directions, worst_from, parts)
             ):
                 scores.setdefault(label, []).append((correct.float(), nll, cost))
         _record(name, direction, worst, prefix_len, continuation, windows, scores)
+        if "repair" in parts:
+            _plot_repairs(name, direction, prefix_len, continuation)
     _write_table()
 
 
@@ -158,7 +161,7 @@ def conditions(mapper, src, truth, source, target, window, prefix_len, worst, pa
     if "draft" in parts:
         out.update(draft_lever(mapped, src, source, target, window[: split + 1], mapper))
     if "repair" in parts:
-        out.update(repair_levers(src, exact, source, target, window[: split + 1], mapper))
+        out.update(repair_levers(src, source, target, window[: split + 1], mapper))
     if "lazy" in parts:
         out.update(lazy_levers(src, source, target, window, prefix_len, mapper))
     return out
@@ -266,20 +269,22 @@ def draft_lever(mapped, src, source, target, prompt, mapper) -> dict:
     }
 
 
-def repair_levers(src, exact, source, target, prompt, mapper) -> dict:
+def repair_levers(src, source, target, prompt, mapper) -> dict:
     """The library's hand-off repair (sinks + anchors by a source draft) for every REPAIRS
-    (each draft length drafted once), and the translated cache with the target's own layer 0
-    (exact from the token ids alone: its K/V read no context)."""
+    (each draft length drafted once), and the translated cache with layer 0 mapped as well
+    (instead of the target's own, exact from the token ids alone)."""
     split = prompt.numel() - 1
-    mapped = translate_prefix(mapper, src.cache.slice(0, split), prompt[:split], target.model)
-    out = {"translated, target's own layer 0": (swap(mapped, exact, [0], [0]), 0)}
+    mapped_first_layer = translate_prefix(
+        mapper, src.cache.slice(0, split), prompt[:split], target.model, exact_first_layer=False
+    )
+    out = {"translated, layer 0 mapped too": (mapped_first_layer, 0)}
     paid = {d: draft_attention(source.model, src.cache, prompt, d) for d in DRAFTS}
     for repair in REPAIRS:
         anchors = top_attended(paid[repair.draft], repair.anchors, mapper.sink_tokens)
         cache = translate_prefix(
             mapper, src.cache.slice(0, split), prompt[:split], target.model, anchors
         )
-        out[f"hand-off repair: {repair}"] = (
+        out[repair_label(repair)] = (
             cache, f"{repair.anchors} (+{repair.draft} source draft tokens)"
         )  # fmt: skip
     return out
@@ -299,11 +304,18 @@ def lazy_levers(src, source, target, window, prefix_len, mapper) -> dict:
         scores, repaired = lazy_repair(
             target.model, cache, window, prefix_len, chunk, per_chunk, mapper.sink_tokens
         )
-        label = f"lazy repair: {per_chunk} tokens after every {chunk} continuation tokens"
-        label += f", after a hand-off repair of {repair}" if repair else ""
         first = repair.anchors if repair else 0
-        out[label] = (scores, f"{first} + {repaired} during decode")
+        out[lazy_label(repair, chunk, per_chunk)] = (scores, f"{first} + {repaired} during decode")
     return out
+
+
+def repair_label(repair: Repair) -> str:
+    return f"hand-off repair: {repair}"
+
+
+def lazy_label(repair: Repair | None, chunk: int, per_chunk: int) -> str:
+    label = f"lazy repair: {per_chunk} tokens after every {chunk} continuation tokens"
+    return label + (f", after a hand-off repair of {repair}" if repair else "")
 
 
 def lazy_repair(model, cache: KVCache, window, prefix_len, chunk, per_chunk, sinks):
@@ -358,7 +370,7 @@ def top_tokens(attention: torch.Tensor, n: int, sinks: int, end: int) -> torch.T
 def worst_layers(name: str, direction: str) -> list[int]:
     """The WORST_LAYERS target layers of lowest attention-output cosine in fidelity.py's row."""
     rows = json.loads((RESULTS / "fidelity.json").read_text())
-    row = next((r for r in rows if (r["config"], r["direction"]) == (name, direction)), None)
+    row = next((r for r in rows if _key(r) == (name, direction, LAYER0)), None)
     if row is None:
         raise click.UsageError(f"run benchmarks/fidelity.py {name} --direction {direction} first")
     cosine = torch.tensor(row["attention_cosine_by_layer"])
@@ -370,26 +382,78 @@ def _record(name, direction, worst, prefix_len, continuation, windows, scores) -
     again; a row of other evaluation windows is replaced whole)."""
     path = RESULTS / "fidelity_diagnostics.json"
     rows = json.loads(path.read_text()) if path.exists() else []
-    key, setup = (name, direction), {
+    key, setup = (name, direction, LAYER0), {
         "windows": windows, "prefix_len": prefix_len, "continuation": continuation,
     }  # fmt: skip
-    previous = next((r for r in rows if (r["config"], r["direction"]) == key), None)
+    previous = next((r for r in rows if _key(r) == key), None)
     if previous is None or previous["eval"] != setup:
         previous = {"config": name, "direction": direction, "worst_layers": [], "conditions": {}}
-    rows = [r for r in rows if (r["config"], r["direction"]) != key]
+    rows = [r for r in rows if _key(r) != key]
     measured = {
         label: {
             "accuracy": torch.cat([c for c, _, _ in s]).mean().item(),
             "nll": torch.cat([n for _, n, _ in s]).mean().item(),
             "recomputed_tokens": s[0][2],
+            "accuracy_by_window": [c.mean().item() for c, _, _ in s],
         }
         for label, s in scores.items()
     }
     rows.append({
-        **previous, "eval": setup, "worst_layers": worst or previous["worst_layers"],
+        **previous, "eval": setup, "layer0": LAYER0,
+        "worst_layers": worst or previous["worst_layers"],
         "conditions": {**previous["conditions"], **measured},
     })  # fmt: skip
     path.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def _plot_repairs(name: str, direction: str, prefix_len: int, continuation: int) -> None:
+    """Accuracy against recomputed translated tokens: one line per draft length, the lazy
+    points, and the target / source / no-prefix levels."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = json.loads((RESULTS / "fidelity_diagnostics.json").read_text())
+    row = next(r for r in rows if _key(r) == (name, direction, LAYER0))
+    got = row["conditions"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for draft in DRAFTS:
+        chosen = [r for r in REPAIRS if r.draft == draft and repair_label(r) in got]
+        points = [(0, got["translated"]["accuracy"])] + [
+            (r.anchors, got[repair_label(r)]["accuracy"]) for r in chosen
+        ]
+        ax.plot(*zip(*points), marker="o", label=f"hand-off repair, {draft}-token source draft")
+    for repair, chunk, per_chunk in LAZY:
+        label = lazy_label(repair, chunk, per_chunk)
+        if label in got:
+            total = (repair.anchors if repair else 0) + per_chunk * (continuation // chunk - 1)
+            ax.scatter([total], [got[label]["accuracy"]], marker="x", label=label, zorder=3)
+    for key, style in (("target", "--"), ("source", ":"), ("no prefix", "-.")):
+        ax.axhline(got[key]["accuracy"], color="gray", linestyle=style, label=key)
+    ax.set(
+        title=f"{name}, {direction}: {row['eval']['windows']} windows of {prefix_len} + "
+        f"{continuation} tokens",
+        xlabel="translated prompt tokens the target recomputes (besides 4 sinks)",
+        ylabel="top-1 accuracy on the continuation",
+    )
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "fidelity_repair.png", dpi=120)
+
+
+def _key(row: dict) -> tuple[str, str, str]:
+    """(config, direction, layer 0): rows measured before layer 0 was the target's own say
+    "mapped"."""
+    return row["config"], row["direction"], row.get("layer0", "mapped")
+
+
+def _paired(values: list | None, baseline: list | None) -> str:
+    """Mean per-window difference and its standard error ('-' without per-window figures)."""
+    if not values or not baseline or len(values) != len(baseline) or len(values) < 2:
+        return "-"
+    diff = torch.tensor(values) - torch.tensor(baseline)
+    return f"{diff.mean().item():+.3f} ({diff.std().item() / len(diff) ** 0.5:.3f})"
 
 
 def _write_table() -> None:
@@ -400,13 +464,16 @@ def _write_table() -> None:
     for r in rows:
         e = r["eval"]
         parts.append(
-            f"\n## {r['config']}, {r['direction']} ({e['windows']} windows of "
-            f"{e['prefix_len']} + {e['continuation']} tokens)\n\n"
-            "| condition | recomputed tokens | accuracy | NLL |\n| --- | --- | --- | --- |"
+            f"\n## {r['config']}, {r['direction']}, layer 0 {r.get('layer0', 'mapped')} "
+            f"({e['windows']} windows of {e['prefix_len']} + {e['continuation']} tokens)\n\n"
+            "| condition | recomputed tokens | accuracy | NLL | accuracy - source (paired SE) |\n"
+            "| --- | --- | --- | --- | --- |"
         )
+        source = r["conditions"].get("source", {}).get("accuracy_by_window")
         for label, c in r["conditions"].items():
             cost = "oracle" if c["recomputed_tokens"] is None else c["recomputed_tokens"]
-            parts.append(f"| {label} | {cost} | {c['accuracy']:.3f} | {c['nll']:.3f} |")
+            versus = _paired(c.get("accuracy_by_window"), source)
+            parts.append(f"| {label} | {cost} | {c['accuracy']:.3f} | {c['nll']:.3f} | {versus} |")
     Path(RESULTS / "fidelity_diagnostics.md").write_text("\n".join(parts) + "\n")
 
 

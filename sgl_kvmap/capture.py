@@ -133,6 +133,32 @@ def capture_kv(
     return run(model, input_ids, chunk_size=chunk_size).cache
 
 
+def first_layer_kv(
+    model: torch.nn.Module, input_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's own layer-0 K (post-RoPE) and V for ``input_ids: [tokens]`` at positions
+    0..tokens-1, each [tokens, kv_heads, head_dim].
+
+    Layer 0's keys and values read no context (embedding, norm, projection, RoPE), so they are
+    exact and cheap for any number of tokens: the forward stops where layer 0 hands them to its
+    cache, before any attention or MLP runs, and the model's own code computes them.
+    """
+    if input_ids.ndim != 1 or input_ids.numel() == 0:
+        raise ValueError(f"input_ids must be a non-empty 1-D tensor, got {tuple(input_ids.shape)}")
+    try:
+        with torch.no_grad():
+            model(
+                input_ids=input_ids[None],
+                position_ids=torch.arange(input_ids.numel())[None],
+                use_cache=True,
+                **{_cache_argument(model): _first_layer_catcher()},
+            )
+    except _FirstLayerKV as caught:
+        keys, values = caught.args
+        return keys[0].transpose(0, 1), values[0].transpose(0, 1)
+    raise RuntimeError("the model never wrote layer 0's K/V to its cache")
+
+
 def recompute_tokens(
     model: torch.nn.Module, cache: KVCache, token_ids: torch.Tensor, positions: torch.Tensor
 ) -> KVCache:
@@ -210,6 +236,21 @@ def forward_scattered(
     values = [_scatter_rows(v, total, positions, end) for v in fresh.values]
     logits = out.logits[0, -logits_to_keep:].float() if logits_to_keep else None
     return ForwardResult(logits, KVCache(keys, values, torch.arange(end)))
+
+
+class _FirstLayerKV(Exception):
+    """Carries layer 0's K/V out of a forward stopped at its first cache write."""
+
+
+def _first_layer_catcher():
+    """A transformers cache that stops the forward at the first K/V written to it."""
+    from transformers import DynamicCache
+
+    class FirstLayerCatcher(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            raise _FirstLayerKV(key_states, value_states)
+
+    return FirstLayerCatcher()
 
 
 def _scatter_rows(

@@ -11,6 +11,7 @@ import click
 from .calibrate import AUTO_K, CalibrationConfig
 
 PACK_TOKENS = 131072  # `fit` builds packs to publish: the calibration budget that won on the pair
+DEMO_ANCHORS, DEMO_DRAFT = 112, 8  # the repaired hand-off the demo reports (README: fidelity)
 
 
 def _top_k(value: str) -> int | str:
@@ -246,12 +247,24 @@ def inspect(pack) -> None:
     type=click.Path(file_okay=False, path_type=Path),
     help="Folder for the two packs and results.json.",
 )
-def demo(tokens, windows, prefix_len, continuation, tail, bench_tokens, out) -> None:
+@click.option(
+    "--anchors",
+    default=DEMO_ANCHORS,
+    show_default=True,
+    help="Translated tokens the repaired hand-off recomputes (0: no repair row).",
+)
+@click.option(
+    "--draft", default=DEMO_DRAFT, show_default=True, help="Source draft that picks them."
+)
+def demo(
+    tokens, windows, prefix_len, continuation, tail, bench_tokens, out, anchors, draft
+) -> None:
     """The whole job on the embedded Qwen2.5-Coder 0.5B/1.5B pair.
 
     Fetch and convert the pair once, fit both directions, evaluate, time, print one table.
     """
     from .demo import run_demo
+    from .transfer import Repair
 
     click.echo(
         run_demo(
@@ -262,6 +275,7 @@ def demo(tokens, windows, prefix_len, continuation, tail, bench_tokens, out) -> 
             continuation=continuation,
             tail=tail,
             bench_tokens=bench_tokens,
+            repair=Repair(anchors, draft) if anchors else None,
         )
     )
 

@@ -2,8 +2,9 @@
 
 Fetch and convert the pair (once), fit both directions on the Python standard library's
 sources (one pass, shared captures), evaluate each direction on disjoint text beside its
-baselines, time translation against the target's re-prefill, save both packs with their
-measured metrics, write results.json and return one printed table.
+baselines (translated, + tail, + tail and the repair's anchors), time each hand-off against the
+target's re-prefill, save both packs with their measured metrics, write results.json and
+return one printed table.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from .default_pair import LARGE, SMALL, ensure_model
 from .evaluate import EvalRuns, evaluate
 from .texts import default_eval_files, eval_windows, prompt_of_length
 from .timing import measure_speed
+from .transfer import Repair
 
 
 def run_demo(
@@ -28,6 +30,7 @@ def run_demo(
     continuation: int,
     tail: int,
     bench_tokens: int,
+    repair: Repair | None = None,
 ) -> str:
     """Run the whole job and return the summary table (also saved under ``out``)."""
     small = load_model(str(ensure_model(SMALL)))
@@ -43,43 +46,58 @@ def run_demo(
     for (mapper, fit_report), (source, target), name in zip(
         fits, [(small, large), (large, small)], ("0.5B->1.5B", "1.5B->0.5B")
     ):
-        report = evaluate(mapper, source, target, eval_ids, prefix_len, continuation, tail, runs)
+        report = evaluate(
+            mapper, source, target, eval_ids, prefix_len, continuation, tail, runs, repair
+        )
         speed = measure_speed(mapper, source, target, bench_ids)
+        repaired = measure_speed(
+            mapper, source, target, bench_ids, tail=tail, repair=repair,
+            prefill_seconds=speed.prefill_seconds,
+        )  # fmt: skip
         mapper.info["metrics"].update(report.summary())
         mapper.info["metrics"].update({f"speed_{k}": v for k, v in speed.to_dict().items()})
+        if repair is not None:
+            mapper.info["metrics"].update(
+                {f"speed_repaired_{k}": v for k, v in repaired.to_dict().items()}
+            )
         mapper.save_pretrained(Path(out) / name.replace(">", "").replace("-", "_to_"))
         results[name] = {
             "fit": {**fit_report.summary(), "process_peak_rss_gib": round(fit_peak_gib, 2)},
             "fit_per_k": fit_report.per_k,
             "eval": report.to_dict(),
             "speed": speed.to_dict(),
+            "speed_repaired": repaired.to_dict(),
         }
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     return format_table(results) + f"\n\npacks and results.json written to {out}/"
 
 
-COLUMNS = [  # header, width, value from one direction's results
-    ("k", 3, lambda f, e, s: str(f["k"])),
-    ("R2 K/V k=1", 11, lambda f, e, s: _pair(f["heldout_r2_k_k1"], f["heldout_r2_v_k1"])),
-    ("R2 K/V", 11, lambda f, e, s: _pair(f["heldout_r2_k"], f["heldout_r2_v"])),
-    ("target", 6, lambda f, e, s: _num(e["reference"]["accuracy"])),
-    ("mapped", 6, lambda f, e, s: _num(e["mapped"]["accuracy"])),
-    ("+tail", 6, lambda f, e, s: _num(e["mapped_tail"]["accuracy"])),
-    ("source", 6, lambda f, e, s: _num(e["source"]["accuracy"])),
-    ("no pfx", 6, lambda f, e, s: _num(e["no_prefix"]["accuracy"])),
-    ("retain", 6, lambda f, e, s: _num(e["retention"])),
-    ("+tail", 6, lambda f, e, s: _num(e["retention_tail"])),
-    ("gap", 6, lambda f, e, s: _num(e["gap_closed"])),
-    ("+tail", 6, lambda f, e, s: _num(e["gap_closed_tail"])),
-    ("attn cos", 8, lambda f, e, s: _num(e["mean_attention_cosine"])),
-    ("map s", 6, lambda f, e, s: f"{s['map_seconds']:.2f}"),
-    ("sinks s", 7, lambda f, e, s: f"{s['sink_seconds']:.2f}"),
-    ("handoff s", 9, lambda f, e, s: f"{s['handoff_seconds']:.2f}"),
-    ("prefill s", 9, lambda f, e, s: f"{s['prefill_seconds']:.2f}"),
-    ("x map", 6, lambda f, e, s: f"{s['map_speedup']:.0f}x"),
-    ("x map+sinks", 11, lambda f, e, s: f"{s['speedup']:.1f}x"),
-    ("x end-to-end", 12, lambda f, e, s: f"{s['end_to_end_speedup']:.1f}x"),
+COLUMNS = [  # header, width, value from one direction's fit, eval and speed results
+    ("k", 3, lambda f, e, r: str(f["k"])),
+    ("R2 K/V k=1", 11, lambda f, e, r: _pair(f["heldout_r2_k_k1"], f["heldout_r2_v_k1"])),
+    ("R2 K/V", 11, lambda f, e, r: _pair(f["heldout_r2_k"], f["heldout_r2_v"])),
+    ("target", 6, lambda f, e, r: _num(e["reference"]["accuracy"])),
+    ("mapped", 6, lambda f, e, r: _num(e["mapped"]["accuracy"])),
+    ("+tail", 6, lambda f, e, r: _num(e["mapped_tail"]["accuracy"])),
+    ("+rep", 6, lambda f, e, r: _num((e["repaired"] or {}).get("accuracy"))),
+    ("source", 6, lambda f, e, r: _num(e["source"]["accuracy"])),
+    ("no pfx", 6, lambda f, e, r: _num(e["no_prefix"]["accuracy"])),
+    ("retain", 6, lambda f, e, r: _num(e["retention"])),
+    ("+tail", 6, lambda f, e, r: _num(e["retention_tail"])),
+    ("+rep", 6, lambda f, e, r: _num(e["retention_repaired"])),
+    ("gap", 6, lambda f, e, r: _num(e["gap_closed"])),
+    ("+tail", 6, lambda f, e, r: _num(e["gap_closed_tail"])),
+    ("+rep", 6, lambda f, e, r: _num(e["gap_closed_repaired"])),
+    ("attn cos", 8, lambda f, e, r: _num(e["mean_attention_cosine"])),
+    ("map s", 6, lambda f, e, r: f"{r['speed']['map_seconds']:.2f}"),
+    ("sinks s", 7, lambda f, e, r: f"{r['speed']['sink_seconds']:.2f}"),
+    ("handoff s", 9, lambda f, e, r: f"{r['speed']['handoff_seconds']:.2f}"),
+    ("prefill s", 9, lambda f, e, r: f"{r['speed']['prefill_seconds']:.2f}"),
+    ("x map", 6, lambda f, e, r: f"{r['speed']['map_speedup']:.0f}x"),
+    ("x map+sinks", 11, lambda f, e, r: f"{r['speed']['speedup']:.1f}x"),
+    ("x end-to-end", 12, lambda f, e, r: f"{r['speed']['end_to_end_speedup']:.1f}x"),
+    ("x +rep", 6, lambda f, e, r: f"{r['speed_repaired']['end_to_end_speedup']:.1f}x"),
 ]
 
 
@@ -90,17 +108,19 @@ def format_table(results: dict) -> str:
         f"{'direction':<11} " + " ".join(f"{h:>{w}}" for h, w, _ in COLUMNS),
     ]
     for name, r in results.items():
-        cells = (f"{get(r['fit'], r['eval'], r['speed']):>{w}}" for _, w, get in COLUMNS)
+        cells = (f"{get(r['fit'], r['eval'], r):>{w}}" for _, w, get in COLUMNS)
         lines.append(f"{name:<11} " + " ".join(cells))
     e, s = next(iter(results.values()))["eval"], next(iter(results.values()))["speed"]
     lines += [
         f"eval: {e['windows']} windows, prefix {e['prefix_len']}, "
         f"continuation {e['continuation']}, "
         f"tail {e['tail']}, sink tokens {e['sink_tokens']}; speed at {s['tokens']} tokens",
+        f"+rep: the tail and the repair ({e['repair'] or 'off'}) recomputed by the target",
         "speedups = target re-prefill over: the map; map + what the sink tokens add to the",
         "hand-off forward; map + the target's one hand-off forward (sink tokens and the last",
-        "prompt token together). gap = (mapped - source) / (target - source), n/a where the",
-        "source is the better model: read retention there.",
+        "prompt token together); x +rep: the same with the tail, the source's draft and the",
+        "anchors. gap = (mapped - source) / (target - source), n/a where the source is the",
+        "better model: read retention there.",
     ]
     return "\n".join(lines)
 

@@ -18,13 +18,21 @@ import torch
 
 from .capture import LoadedModel, capture_kv, forward_scattered, run
 from .mapper import KVMapper
-from .transfer import Repair, draft_anchors, handoff, handoff_positions, handoff_split
+from .transfer import (
+    Repair,
+    draft_anchors,
+    handoff,
+    handoff_positions,
+    handoff_split,
+    mapped_prefix,
+)
 
 
 @dataclass
 class SpeedReport:
     """Seconds (medians of ``repeats``) for one prompt of ``tokens`` tokens on this machine.
 
+    map_seconds: the map and the target's own layer 0 (``transfer.mapped_prefix``).
     handoff_seconds: the target's one forward over sinks + anchors + tail + last prompt token.
     sink_seconds: what the sinks add to it (that forward minus the same one without sinks,
     floored at 0). separate_sink_seconds: a forward over the sinks alone (the unfused way).
@@ -97,7 +105,8 @@ def measure_speed(
     split = handoff_split(prompt_len, tail)
     source_cache = capture_kv(source.model, token_ids[:split])
     handoff(mapper, source_cache, token_ids, target.model, tail, repair, source.model)  # warm-up
-    mapped = mapper.map(source_cache)
+    translate = lambda: mapped_prefix(mapper, source_cache, token_ids[:split], target.model)  # noqa: E731
+    mapped = translate()
     anchors, draft_seconds = None, 0.0
     if repair is not None and repair.anchors:
         pick = lambda: draft_anchors(source.model, source_cache, token_ids, repair, tail, mapper)  # noqa: E731
@@ -114,7 +123,7 @@ def measure_speed(
     return SpeedReport(
         tokens=prompt_len,
         tail=tail,
-        map_seconds=_timed(lambda: mapper.map(source_cache), repeats),
+        map_seconds=_timed(translate, repeats),
         sink_seconds=max(0.0, handoff_seconds - without_sinks) if sinks.numel() else 0.0,
         handoff_seconds=handoff_seconds,
         prefill_seconds=prefill_seconds

@@ -7,6 +7,8 @@ sinks map badly, so the target computes its own KV for the first ``mapper.sink_t
 tokens: a forward over a handful of tokens, exact because attention is causal. ``handoff`` does
 the whole hand-off with ONE target forward: the sink tokens ride in the forward over the tail
 and the last prompt token (a scattered forward), so the target's weights are read once.
+Layer 0's K/V read no context, so the target computes them exactly for every translated token
+(``capture.first_layer_kv``: embedding, norm, projection; no attention, no MLP).
 
 Repair (``Repair``): the same forward can also recompute chosen translated tokens ("anchors"),
 the prompt tokens that the answer is likely to read. The source, whose cache is exact, drafts a
@@ -21,7 +23,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .capture import ForwardResult, KVCache, forward_scattered, recompute_tokens, run
+from .capture import (
+    ForwardResult,
+    KVCache,
+    first_layer_kv,
+    forward_scattered,
+    recompute_tokens,
+    run,
+)
 from .errors import KVMapError
 from .mapper import KVMapper
 from .token_weights import attention_paid
@@ -54,15 +63,17 @@ def translate_prefix(
     token_ids: torch.Tensor,
     target_model,
     anchors: torch.Tensor | None = None,
+    exact_first_layer: bool = True,
 ) -> KVCache:
     """Target cache for ``token_ids: [t]`` from the source's cache of the same tokens (t layers x
     [t, kv_s, d_s]), with the first ``mapper.sink_tokens`` tokens and the ``anchors: [A]``
-    (indices in [0, t)) recomputed by ``target_model`` in one scattered forward."""
+    (indices in [0, t)) recomputed by ``target_model`` in one scattered forward, and (with
+    ``exact_first_layer``) the target's own layer 0 for every token."""
     if len(source_cache) != token_ids.numel():
         raise ValueError(
             f"source cache holds {len(source_cache)} tokens, token_ids {token_ids.numel()}"
         )
-    mapped = mapper.map(source_cache)
+    mapped = mapped_prefix(mapper, source_cache, token_ids, target_model, exact_first_layer)
     positions = _with_sinks(anchors, mapper.sink_tokens, token_ids.numel())
     return recompute_tokens(target_model, mapped, token_ids, positions)
 
@@ -75,6 +86,7 @@ def handoff(
     tail: int = 0,
     repair: Repair | None = None,
     source_model=None,
+    exact_first_layer: bool = True,
 ) -> ForwardResult:
     """The whole hand-off of a prompt ``token_ids: [P]`` to the target, in one target forward.
 
@@ -83,8 +95,9 @@ def handoff(
     cache, replacing their mapped rows), the ``repair`` anchors (picked by ``source_model``'s
     draft, see ``draft_anchors``), the ``tail`` tokens and the last prompt token. The same
     result as ``translate_prefix`` followed by a forward over the rest of the prompt, at the
-    cost of one forward. Returns the target's cache of all P tokens and the logits
-    ``[1, vocab]`` of the last one.
+    cost of one forward. ``exact_first_layer``: the target's own layer 0 for the translated
+    tokens (``capture.first_layer_kv``). Returns the target's cache of all P tokens and the
+    logits ``[1, vocab]`` of the last one.
     """
     split = handoff_split(token_ids.numel(), tail)
     if len(source_cache) < split:
@@ -98,9 +111,29 @@ def handoff(
         if source_model is None:
             raise KVMapError("a hand-off with repair needs the source model (it drafts)")
         anchors = draft_anchors(source_model, source_cache, token_ids, repair, tail, mapper)
-    mapped = mapper.map(source_cache.slice(0, split))
+    mapped = mapped_prefix(
+        mapper, source_cache.slice(0, split), token_ids[:split], target_model, exact_first_layer
+    )
     positions = handoff_positions(token_ids.numel(), tail, mapper.sink_tokens, anchors)
     return forward_scattered(target_model, mapped, token_ids, positions, logits_to_keep=1)
+
+
+def mapped_prefix(
+    mapper: KVMapper,
+    source_cache: KVCache,
+    token_ids: torch.Tensor,
+    target_model,
+    exact_first_layer: bool = True,
+) -> KVCache:
+    """``mapper.map(source_cache)`` for the tokens ``token_ids: [t]``, its layer 0 replaced by
+    the target's own (exact: layer 0 reads no context) if ``exact_first_layer``."""
+    mapped = mapper.map(source_cache)
+    if not exact_first_layer:
+        return mapped
+    keys, values = first_layer_kv(target_model, token_ids)
+    dtype = mapped.keys[0].dtype
+    mapped.keys[0], mapped.values[0] = keys.to(dtype), values.to(dtype)
+    return mapped
 
 
 def draft_anchors(

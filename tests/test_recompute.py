@@ -6,7 +6,14 @@ import dataclasses
 import pytest
 import torch
 
-from sgl_kvmap.capture import KVCache, capture_kv, forward_scattered, recompute_tokens, run
+from sgl_kvmap.capture import (
+    KVCache,
+    capture_kv,
+    first_layer_kv,
+    forward_scattered,
+    recompute_tokens,
+    run,
+)
 from sgl_kvmap.transfer import handoff, handoff_split, translate_prefix
 
 from .conftest import tiny_model
@@ -97,5 +104,30 @@ def test_one_forward_handoff_equals_sinks_then_the_rest(tiny_pair, tiny_mapper, 
     assert_same_cache(got.cache, want.cache)
     torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4)
     mapped = mapper.map(source_cache)  # the sinks really were recomputed
-    assert not torch.allclose(got.cache.keys[0][:3], mapped.keys[0][:3])
-    torch.testing.assert_close(got.cache.keys[0][3:split], mapped.keys[0][3:])
+    assert not torch.allclose(got.cache.keys[1][:3], mapped.keys[1][:3])
+    torch.testing.assert_close(got.cache.keys[1][3:split], mapped.keys[1][3:])
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama3", "glm"])
+def test_first_layer_kv_is_the_models_own(kind):
+    """QK-norm, scaled RoPE and partial interleaved RoPE included: layer 0 needs no context."""
+    model = tiny_model(kind, seed=4).model
+    ids = torch.randint(0, 100, (25,))
+    keys, values = first_layer_kv(model, ids)
+    exact = capture_kv(model, ids)
+    torch.testing.assert_close(keys, exact.keys[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(values, exact.values[0], rtol=1e-5, atol=1e-6)
+
+
+def test_translated_prefix_takes_the_targets_own_first_layer(tiny_pair, tiny_mapper):
+    source, target = tiny_pair
+    ids = torch.randint(0, 100, (30,))
+    source_cache, exact = capture_kv(source.model, ids), capture_kv(target.model, ids)
+    mapped = tiny_mapper.map(source_cache)
+    got = translate_prefix(tiny_mapper, source_cache, ids, target.model)
+    torch.testing.assert_close(got.keys[0], exact.keys[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.values[0], exact.values[0], rtol=1e-5, atol=1e-6)
+    for g, m in zip(got.keys[1:] + got.values[1:], mapped.keys[1:] + mapped.values[1:]):
+        assert torch.equal(g, m)  # deeper layers: the map, untouched
+    plain = translate_prefix(tiny_mapper, source_cache, ids, target.model, exact_first_layer=False)
+    assert torch.equal(plain.keys[0], mapped.keys[0])
