@@ -7,7 +7,8 @@ For each pack (e.g. the two written by `sgl-kvmap demo`), loads its source and t
 the paths recorded in the pack, and times at each prefix length: the mapper (unrope, matrix
 products, rope), the target's forward over its sink tokens, and the target's own prefill, with
 both models (and so the caches and the map's matrix products) in --dtype.
-Prints a table; writes benchmarks/results/translate_speed.json. No asserts: benchmarks measure.
+Prints a table; writes benchmarks/results/translate_speed.json (translate_speed_bfloat16.json
+for bfloat16). No asserts: benchmarks measure.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from sgl_kvmap import KVMapper, load_model
 from sgl_kvmap.texts import prompt_of_length
 from sgl_kvmap.timing import measure_speed
 
-RESULTS = Path(__file__).parent / "results" / "translate_speed.json"
+RESULTS = Path(__file__).parent / "results"
 
 
 @click.command()
@@ -68,8 +69,11 @@ def main(packs, token_counts, repeats, dtype) -> None:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }
-    RESULTS.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    path = RESULTS / (
+        "translate_speed.json" if dtype == "float32" else f"translate_speed_{dtype}.json"
+    )
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
