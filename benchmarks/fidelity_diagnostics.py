@@ -432,8 +432,8 @@ def _plot_repairs(name: str, direction: str, prefix_len: int, continuation: int)
     for key, style in (("target", "--"), ("source", ":"), ("no prefix", "-.")):
         ax.axhline(got[key]["accuracy"], color="gray", linestyle=style, label=key)
     ax.set(
-        title=f"{name}, {direction}: {row['eval']['windows']} windows of {prefix_len} + "
-        f"{continuation} tokens",
+        title=f"{name}, {direction}, layer 0 {row.get('layer0', 'mapped')}: "
+        f"{row['eval']['windows']} windows of {prefix_len} + {continuation} tokens",
         xlabel="translated prompt tokens the target recomputes (besides 4 sinks)",
         ylabel="top-1 accuracy on the continuation",
     )
