@@ -74,6 +74,8 @@ CONFIGS.update(
         "64k-attn-1": replace(CAL_64K, attention_power=1.0),
     }
 )
+CAL_128K = CONFIGS["cal-128k"]
+CONFIGS.update({f"128k-rank-{r}": replace(CAL_128K, rank=r) for r in (512, 768, 1024)})
 HELDOUT_SPLIT = "every 8th file"
 # token weightings: unweighted for both directions, the attention-weighted ones for 0.5B->1.5B
 # only (each direction's statistics take GBs)
@@ -247,7 +249,7 @@ def _row(
             "heldout_split": HELDOUT_SPLIT,
             "attention_power": config.attention_power,
         },
-        "k": fit.chosen_k if config.top_k != "auto-layer" else "per layer",
+        "k": _k_label(fit, config),
         "layer_ks": fit.layer_ks,
         "ridge": f"{config.ridge}{' x mean diag' if config.ridge_relative else ''}",
         "sink_tokens": config.sink_tokens,
@@ -292,6 +294,12 @@ def _row(
             "continuation": base.continuation,
         },
     }
+
+
+def _k_label(fit, config: CalibrationConfig) -> str | int:
+    if config.rank is not None:
+        return f"all, rank {config.rank}"
+    return fit.chosen_k if config.top_k != "auto-layer" else "per layer"
 
 
 def _record(row: dict) -> None:

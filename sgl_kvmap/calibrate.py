@@ -26,10 +26,13 @@ from .errors import KVMapError
 from .fit import (
     KINDS,
     Geometry,
+    LayerMap,
     Ridge,
     candidate_ks,
     fit_maps,
+    fit_reduced_rank,
     heldout_r2,
+    heldout_r2_reduced,
     probe_scores,
     top_k_selection,
 )
@@ -60,7 +63,9 @@ class CalibrationConfig:
     or, with ridge_relative, a multiple of its mean diagonal. top_k: an int, "auto" (one k
     for all layers) or "auto-layer" (k per target layer); both autos take the smallest k
     whose held-out R^2 is within k_tolerance of the best. sink_tokens: leading tokens
-    the target computes itself at transfer time (recorded in the pack).
+    the target computes itself at transfer time (recorded in the pack). rank: fit a
+    reduced-rank map instead (every target layer reads all source layers through one shared
+    projection to ``rank`` dimensions; top_k is then unused).
     """
 
     tokens: int = 16384
@@ -75,8 +80,11 @@ class CalibrationConfig:
     sink_tokens: int = 4
     per_file_tokens: int = 2048
     attention_power: float = 0.0
+    rank: int | None = None
 
     def __post_init__(self) -> None:
+        if self.rank is not None and self.rank < 1:
+            raise KVMapError(f"rank must be a positive int, got {self.rank}")
         if self.top_k not in AUTO_K and not (isinstance(self.top_k, int) and self.top_k >= 1):
             raise KVMapError(f"top_k must be one of {AUTO_K} or a positive int, got {self.top_k!r}")
         if self.tokens < 2 * self.window:
@@ -376,13 +384,16 @@ def fit_from_statistics(
     recipe: dict | None = None,
     capture_seconds: float = 0.0,
 ) -> tuple[KVMapper, FitReport]:
-    """Select source layers, choose k on the held-out moments, and fit the final maps on all."""
+    """Select source layers, choose k on the held-out moments, and fit the final maps on all
+    (or, with ``config.rank``, fit the reduced-rank map)."""
     started = time.perf_counter()
     source, target = split.source, split.target
     geo = Geometry(
         source.num_layers, source.kv_width, target.num_layers, target.kv_width, target.head_dim
     )
     ridge = Ridge(config.ridge, config.ridge_relative)
+    if config.rank is not None:
+        return _fit_reduced_rank(split, config, geo, ridge, recipe, capture_seconds, started)
     scores = probe_scores(split.train, geo, ridge)
     ks = (
         candidate_ks(source.num_layers)
@@ -412,11 +423,9 @@ def fit_from_statistics(
         train_tokens=round(split.train["k"].n), heldout_tokens=round(split.heldout["k"].n),
         capture_seconds=capture_seconds, solve_seconds=time.perf_counter() - started,
     )  # fmt: skip
-    info = {
-        "calibration": recipe or {},
-        "metrics": {key: v for key, v in report.summary().items() if v is not None},
-    }
-    mapper = KVMapper(source, target, selection, maps, config.ridge, config.sink_tokens, info)
+    mapper = KVMapper(
+        source, target, selection, maps, config.ridge, config.sink_tokens, _info(recipe, report)
+    )
     log.info(
         "fitted %s -> %s: k=%s, held-out R2 K %.3f V %.3f",
         source.model_id,
@@ -426,6 +435,42 @@ def fit_from_statistics(
         heldout["v"],
     )
     return mapper, report
+
+
+def _fit_reduced_rank(split, config, geo, ridge, recipe, capture_seconds, started):
+    """fit_from_statistics for ``config.rank``: held-out R^2 of the train-fitted maps, then the
+    final maps on all windows."""
+    per_layer = heldout_r2_reduced(split.train, split.heldout, geo, ridge, config.rank)
+    everything = {kind: split.train[kind].merged(split.heldout[kind]) for kind in KINDS}
+    fitted = {kind: fit_reduced_rank(everything[kind], geo, ridge, config.rank) for kind in KINDS}
+    every = list(range(geo.source_layers))
+    report = FitReport(
+        chosen_k=geo.source_layers, layer_ks=[geo.source_layers] * geo.target_layers,
+        per_k={"chosen": {kind: per_layer[kind].mean().item() for kind in KINDS}},
+        probe_scores=torch.empty(0), r2_k=per_layer["k"].tolist(), r2_v=per_layer["v"].tolist(),
+        train_tokens=round(split.train["k"].n), heldout_tokens=round(split.heldout["k"].n),
+        capture_seconds=capture_seconds, solve_seconds=time.perf_counter() - started,
+    )  # fmt: skip
+    mapper = KVMapper(
+        split.source, split.target, [every] * geo.target_layers,
+        maps={kind: [_float32(m) for m in fitted[kind][1]] for kind in KINDS},
+        ridge=config.ridge, sink_tokens=config.sink_tokens, info=_info(recipe, report),
+        projections={kind: fitted[kind][0].float() for kind in KINDS},
+    )  # fmt: skip
+    log.info("fitted reduced-rank %d map: held-out R2 K %.3f V %.3f", config.rank,
+             *(report.heldout[kind] for kind in KINDS))  # fmt: skip
+    return mapper, report
+
+
+def _float32(m: LayerMap) -> LayerMap:
+    return LayerMap(m.weight.float(), m.bias.float())
+
+
+def _info(recipe: dict | None, report: FitReport) -> dict:
+    return {
+        "calibration": recipe or {},
+        "metrics": {key: v for key, v in report.summary().items() if v is not None},
+    }
 
 
 def _heldout_indices(n_windows: int, every: int) -> set[int]:

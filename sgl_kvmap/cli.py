@@ -101,6 +101,13 @@ def main(verbose: bool) -> None:
     help="Weight calibration tokens by the attention the target pays them, to this power "
     "(0: unweighted).",
 )
+@click.option(
+    "--rank",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Fit a reduced-rank map instead of choosing k: every target layer reads all source "
+    "layers through one shared projection of this rank.",
+)
 def fit(
     source,
     target,
@@ -114,6 +121,7 @@ def fit(
     sink_tokens,
     stride,
     attention_power,
+    rank,
 ) -> None:
     """Fit a SOURCE -> TARGET mapper (anything transformers loads) and save it as a pack."""
     from .calibrate import fit_mapper
@@ -127,6 +135,7 @@ def fit(
         sink_tokens=sink_tokens,
         stride=stride,
         attention_power=attention_power,
+        rank=rank,
     )
     ((mapper, report),) = fit_mapper(source, target, list(calibration) or None, config)
     mapper.save_pretrained(out)

@@ -5,6 +5,10 @@ layer s at columns [s * ws, (s+1) * ws) with ws = kv_heads_s * head_dim_s; the t
 layer l sits at [l * wt, (l+1) * wt). A target layer's map reads the columns of its selected
 source layers, so every selection's Gram is a sub-block of one streamed Gram: a single pass
 over calibration text serves every k, every layer and both K and V.
+
+Reduced rank (``fit_reduced_rank``): every target layer reads ALL source layers through one
+shared projection to ``rank`` dimensions, so the per-token cost is (source width + target
+width) x rank instead of k x source-layer width x target width.
 """
 
 from __future__ import annotations
@@ -149,6 +153,58 @@ def fit_maps(
         ]
         for kind in KINDS
     }
+
+
+def fit_reduced_rank(
+    m: Moments, geo: Geometry, ridge: float | Ridge, rank: int
+) -> tuple[torch.Tensor, list[LayerMap]]:
+    """Reduced-rank ridge of all target layers on all source layers: y_l = (x P) B_l + b_l.
+
+    The full ridge map W [dx, Lt * wt] is cut to the ``rank`` directions V [Lt * wt, rank] of
+    largest fitted-value variance (top eigenvectors of W^T Cxx W), W_r = W V V^T: the best
+    rank-r map in fitted-value error, unlike a principal-component basis of x alone. Returns
+    P = W V [dx, rank] (shared by every target layer) and per target layer B_l = V^T[:, layer
+    columns] [rank, wt] with its bias (refitted for W_r), float64.
+    """
+    x_cols = geo.source_cols(range(geo.source_layers))
+    widest = min(x_cols.numel(), geo.target_layers * geo.target_width)
+    if not 1 <= rank <= widest:
+        raise KVMapError(f"rank must be in 1..{widest} for this pair, got {rank}")
+    y_cols = torch.arange(geo.target_layers * geo.target_width)
+    w, _ = fit_affine(m, x_cols, y_cols, ridge)
+    _, vectors = torch.linalg.eigh(w.T @ m.centered_gram(x_cols) @ w)
+    basis = vectors[:, -rank:].flip(1)
+    projection = w @ basis
+    bias = m.mean_y[y_cols] - m.mean_x[x_cols] @ projection @ basis.T
+    maps = [
+        LayerMap(basis.T[:, geo.target_cols(layer)], bias[geo.target_cols(layer)])
+        for layer in range(geo.target_layers)
+    ]
+    return projection, maps
+
+
+def heldout_r2_reduced(
+    train: dict[str, Moments],
+    heldout: dict[str, Moments],
+    geo: Geometry,
+    ridge: float | Ridge,
+    rank: int,
+) -> dict[str, torch.Tensor]:
+    """Held-out R^2 per target layer (mean over heads) of reduced-rank maps fitted on ``train``:
+    kind -> [Lt]."""
+    x_cols = geo.source_cols(range(geo.source_layers))
+    out = {}
+    for kind in KINDS:
+        projection, maps = fit_reduced_rank(train[kind], geo, ridge, rank)
+        r2 = []
+        for layer, layer_map in enumerate(maps):
+            sse, sst = residuals(
+                heldout[kind], x_cols, geo.target_cols(layer), projection @ layer_map.weight,
+                layer_map.bias,
+            )  # fmt: skip
+            r2.append(r2_by_head(sse, sst, geo.target_head_dim).mean())
+        out[kind] = torch.stack(r2)
+    return out
 
 
 def _fit_layers(

@@ -23,7 +23,9 @@ class KVMapper:
     affine map of target layer l for "k" or "v" over those layers' concatenated features.
     ``sink_tokens``: leading tokens whose target KV should be computed by the target itself
     (attention sinks map badly); ``translate_prefix`` honours it. ``info`` holds the
-    calibration recipe and measured metrics recorded in the pack.
+    calibration recipe and measured metrics recorded in the pack. ``projections[kind]``
+    (reduced-rank mappers only): [Ls * ws, rank], shared by every target layer, which then
+    reads all source layers and maps the projected features (``maps`` weights [rank, wt]).
     """
 
     source: ModelSpec
@@ -33,6 +35,7 @@ class KVMapper:
     ridge: float
     sink_tokens: int = 1
     info: dict[str, Any] = field(default_factory=dict)
+    projections: dict[str, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -43,23 +46,42 @@ class KVMapper:
         """Source layers per target layer (the largest, if layers differ)."""
         return max(len(s) for s in self.selection)
 
+    @property
+    def rank(self) -> int | None:
+        """Width of the shared projection of a reduced-rank mapper (None: a k-layer mapper)."""
+        return None if self.projections is None else self.projections["k"].shape[1]
+
     def validate(self) -> None:
         """Check that selection and tensor shapes agree with both specs (raises KVMapError)."""
         if len(self.selection) != self.target.num_layers:
             raise KVMapError(
                 f"selection has {len(self.selection)} layers, target has {self.target.num_layers}"
             )
+        self._validate_projections()
         for layer, sources in enumerate(self.selection):
             if not sources or any(not 0 <= s < self.source.num_layers for s in sources):
                 raise KVMapError(f"target layer {layer}: invalid source layers {sources}")
             for kind in KINDS:
                 m = self.maps[kind][layer]
-                want = (len(sources) * self.source.kv_width, self.target.kv_width)
+                width = self.rank or len(sources) * self.source.kv_width
+                want = (width, self.target.kv_width)
                 if tuple(m.weight.shape) != want or tuple(m.bias.shape) != want[1:]:
                     raise KVMapError(
                         f"{kind} map of target layer {layer} has shape {tuple(m.weight.shape)}/"
                         f"{tuple(m.bias.shape)}, expected {want}/{want[1:]}"
                     )
+
+    def _validate_projections(self) -> None:
+        if self.projections is None:
+            return
+        every = list(range(self.source.num_layers))
+        if any(sources != every for sources in self.selection):
+            raise KVMapError("a reduced-rank mapper reads every source layer in every target layer")
+        want = self.source.num_layers * self.source.kv_width
+        for kind in KINDS:
+            got = tuple(self.projections[kind].shape)
+            if len(got) != 2 or got != (want, self.rank):
+                raise KVMapError(f"{kind} projection has shape {got}, expected ({want}, rank)")
 
     def map(self, source_cache: KVCache, matmul_dtype: torch.dtype | None = None) -> KVCache:
         """Reference map: source_cache Ls x [t, kv_s, d_s] -> Lt x [t, kv_t, d_t], both post-RoPE.
@@ -90,6 +112,8 @@ class KVMapper:
         for sources, layers in self._layer_groups().items():
             for kind in KINDS:
                 x = torch.cat([features[kind][s] for s in sources], dim=1).to(matmul_dtype)
+                if self.projections is not None:
+                    x = x @ self._projection(kind, matmul_dtype)
                 weight, bias = self._stacked(kind, layers, matmul_dtype)
                 y_all = torch.addmm(bias, x, weight).float()
                 for layer, y in zip(layers, y_all.split(self.target.kv_width, dim=1)):
@@ -121,6 +145,12 @@ class KVMapper:
                 torch.cat([m.weight for m in maps], 1).to(dtype),
                 torch.cat([m.bias for m in maps]).to(dtype),
             )
+        return self._stack_cache[key]
+
+    def _projection(self, kind: str, dtype: torch.dtype) -> torch.Tensor:
+        key = (kind, "projection", dtype)
+        if key not in self._stack_cache:
+            self._stack_cache[key] = self.projections[kind].to(dtype)
         return self._stack_cache[key]
 
     def _check_source(self, cache: KVCache) -> None:

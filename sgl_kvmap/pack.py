@@ -1,8 +1,12 @@
 """Mapper packs: one folder, identical locally and on the Hub.
 
-    mapper.safetensors   k.{layer}.weight / k.{layer}.bias / v.{layer}.* (float32)
+    mapper.safetensors   k.{layer}.weight / k.{layer}.bias / v.{layer}.* (float32), and for a
+                         reduced-rank mapper k.projection / v.projection
     kvmap.json           format version, both ModelSpecs + fingerprints, selection, ridge,
-                         sink tokens, calibration recipe, metrics, sha256 of the tensors
+                         sink tokens, rank, calibration recipe, metrics, sha256 of the tensors
+
+Format version 2 is version 1 plus the optional projections (written only by reduced-rank
+mappers, so every other pack stays readable by version-1 readers).
     README.md            model card generated from kvmap.json
 
 Saving writes a temporary sibling folder and renames it into place, so a crash never leaves a
@@ -28,7 +32,8 @@ TENSORS_FILE = "mapper.safetensors"
 CONFIG_FILE = "kvmap.json"
 CARD_FILE = "README.md"
 FORMAT_NAME = "sgl-kvmap"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this library writes
+READABLE_VERSIONS = (1, 2)
 
 
 def save_pack(mapper, folder: Path) -> Path:
@@ -64,10 +69,16 @@ def load_pack(folder: Path):
             kind: [_layer_map(tensors, kind, layer) for layer in range(len(selection))]
             for kind in KINDS
         }
+        projections = (
+            {kind: _finite(tensors[f"{kind}.projection"], f"{kind} projection") for kind in KINDS}
+            if config.get("rank") is not None
+            else None
+        )
         mapper = KVMapper(
             source=source, target=target, selection=selection, maps=maps,
             ridge=float(config["ridge"]), sink_tokens=int(config["sink_tokens"]),
             info={k: config.get(k, {}) for k in ("calibration", "metrics")},
+            projections=projections,
         )  # fmt: skip
     except (KeyError, TypeError, ValueError, SafetensorError) as err:
         raise PackError(f"{folder}: malformed pack ({type(err).__name__}: {err})") from err
@@ -89,10 +100,11 @@ def read_config(folder: Path) -> dict[str, Any]:
         raise PackError(
             f"{path}: not an {FORMAT_NAME} pack (format field {config.get('format')!r})"
         )
-    if config.get("format_version") != FORMAT_VERSION:
+    if config.get("format_version") not in READABLE_VERSIONS:
         raise PackError(
             f"{path}: pack format version {config.get('format_version')!r}; this sgl-kvmap reads "
-            f"version {FORMAT_VERSION}. Upgrade sgl-kvmap or re-build the pack."
+            f"versions {', '.join(map(str, READABLE_VERSIONS))}. Upgrade sgl-kvmap or re-build "
+            "the pack."
         )
     return config
 
@@ -138,7 +150,7 @@ continue a conversation without re-running prefill. Made with sgl-kvmap.
 | head_dim | {src["head_dim"]} | {tgt["head_dim"]} |
 | fingerprint | `{config["source_fingerprint"][:16]}` | `{config["target_fingerprint"][:16]}` |
 
-Source layers per target layer (k): {max(len(s) for s in config["selection"])};
+Source layers per target layer (k): {max(len(s) for s in config["selection"])}{_rank(config)};
 ridge {config["ridge"]};
 target-computed sink tokens: {config["sink_tokens"]}.
 Calibration: {_fmt(calib.get("tokens", "?"))} tokens from {calib.get("text", "?")}.
@@ -165,6 +177,8 @@ def _tensors(mapper) -> dict[str, torch.Tensor]:
         for layer, m in enumerate(mapper.maps[kind]):
             out[f"{kind}.{layer}.weight"] = m.weight.float().contiguous()
             out[f"{kind}.{layer}.bias"] = m.bias.float().contiguous()
+        if mapper.projections is not None:
+            out[f"{kind}.projection"] = mapper.projections[kind].float().contiguous()
     return out
 
 
@@ -173,7 +187,7 @@ def _config(mapper, tensors_sha256: str) -> dict[str, Any]:
 
     return {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": 1 if mapper.projections is None else FORMAT_VERSION,
         "library_version": __version__,
         "source": mapper.source.to_dict(),
         "target": mapper.target.to_dict(),
@@ -182,6 +196,7 @@ def _config(mapper, tensors_sha256: str) -> dict[str, Any]:
         "selection": mapper.selection,
         "ridge": mapper.ridge,
         "sink_tokens": mapper.sink_tokens,
+        "rank": mapper.rank,
         "calibration": mapper.info.get("calibration", {}),
         "metrics": mapper.info.get("metrics", {}),
         "tensors_sha256": tensors_sha256,
@@ -198,10 +213,17 @@ def _spec(config: dict[str, Any], role: str) -> ModelSpec:
 
 
 def _layer_map(tensors: dict[str, torch.Tensor], kind: str, layer: int) -> LayerMap:
-    weight, bias = tensors[f"{kind}.{layer}.weight"], tensors[f"{kind}.{layer}.bias"]
-    if weight.dtype != torch.float32 or not (weight.isfinite().all() and bias.isfinite().all()):
-        raise PackError(f"{kind} map of layer {layer} is not finite float32")
-    return LayerMap(weight, bias)
+    name = f"{kind} map of layer {layer}"
+    return LayerMap(
+        _finite(tensors[f"{kind}.{layer}.weight"], name),
+        _finite(tensors[f"{kind}.{layer}.bias"], name),
+    )
+
+
+def _finite(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    if tensor.dtype != torch.float32 or not tensor.isfinite().all():
+        raise PackError(f"{name} is not finite float32")
+    return tensor
 
 
 def _spec_difference(a: ModelSpec, b: ModelSpec) -> str:
@@ -210,6 +232,11 @@ def _spec_difference(a: ModelSpec, b: ModelSpec) -> str:
     if fields:
         return ", ".join(f"{k}: {da[k]!r} vs {db[k]!r}" for k in fields)
     return "their configs differ"
+
+
+def _rank(config: dict[str, Any]) -> str:
+    rank = config.get("rank")
+    return "" if rank is None else f", through one shared projection of rank {rank}"
 
 
 def _fmt(value: Any) -> str:

@@ -1,5 +1,7 @@
 """A mapper fitted on a target that IS a cross-layer linear function of the source recovers it."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -147,3 +149,75 @@ def test_bfloat16_matrix_products_stay_within_bfloat16_rounding(exact_problem):
         assert f.dtype == torch.float32
         relative = (f - e).norm() / e.norm()
         assert 1e-5 < relative < 2e-2  # really computed in bf16, and close
+
+
+def low_rank_target(src: KVCache, source_spec, target_spec, factors) -> KVCache:
+    """Target post-RoPE K/V that are rank-r maps of ALL the source's content-space K/V."""
+    t, layers = len(src), target_spec.num_layers
+    x = content_features(src, source_spec, slice(0, None))
+    tables = tables_for_spec(target_spec, src.positions)
+    out = {}
+    for kind, (a, b, bias) in factors.items():
+        y = (x[kind] @ a @ b + bias).reshape(t, layers, target_spec.num_kv_heads, -1)
+        out[kind] = [y[:, layer] for layer in range(layers)]
+    keys = [rope(k, tables, target_spec.rope_style) for k in out["k"]]
+    return KVCache(keys, out["v"], src.positions)
+
+
+@pytest.fixture(scope="module")
+def low_rank_problem(tiny_pair):
+    """Target K/V of true rank 3 over all source layers, as statistics and as caches."""
+    source, target = tiny_pair
+    torch.manual_seed(1)
+    dx = source.spec.num_layers * source.spec.kv_width
+    dy = target.spec.num_layers * target.spec.kv_width
+    factors = {
+        kind: (torch.randn(dx, 3) / dx**0.5, torch.randn(3, dy), torch.randn(dy))
+        for kind in ("k", "v")
+    }
+    stats = PairStatistics(source.spec, target.spec)
+    for i in range(6):
+        src = capture_kv(source.model, torch.randint(0, 100, (64,)))
+        tgt = low_rank_target(src, source.spec, target.spec, factors)
+        stats.update(
+            content_features(src, source.spec, slice(1, None)),
+            content_features(tgt, target.spec, slice(1, None)),
+            held_out=i == 5,
+        )
+    return source, target, factors, stats
+
+
+def test_reduced_rank_recovers_a_low_rank_map_through_its_projection(low_rank_problem):
+    source, target, factors, stats = low_rank_problem
+    mapper, report = fit_from_statistics(stats, CalibrationConfig(ridge=1e-6, rank=3))
+    assert mapper.rank == 3 and mapper.k == source.spec.num_layers
+    assert mapper.projections["k"].shape == (source.spec.num_layers * source.spec.kv_width, 3)
+    assert mapper.maps["v"][0].weight.shape == (3, target.spec.kv_width)
+    assert min(report.r2_k) > 0.999 and min(report.r2_v) > 0.999
+    src = capture_kv(source.model, torch.randint(0, 100, (50,)))  # unseen tokens
+    expected = low_rank_target(src, source.spec, target.spec, factors)
+    mapped = mapper.map(src)
+    for got, want in zip(mapped.keys + mapped.values, expected.keys + expected.values):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=2e-3)
+    short, short_report = fit_from_statistics(stats, CalibrationConfig(ridge=1e-6, rank=1))
+    assert short_report.heldout["k"] < 0.9  # rank 1 cannot hold a rank-3 map
+
+
+def test_full_rank_equals_the_all_layer_ridge(exact_problem):
+    source, target, _, stats = exact_problem
+    config = CalibrationConfig(ridge=1e-3, top_k=source.spec.num_layers)
+    full, full_report = fit_from_statistics(stats, config)
+    rank = source.spec.num_layers * source.spec.kv_width  # every direction kept
+    reduced, reduced_report = fit_from_statistics(stats, replace(config, rank=rank))
+    src = capture_kv(source.model, torch.randint(0, 100, (40,)))
+    for a, b in zip(full.map(src).keys, reduced.map(src).keys):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+    assert reduced_report.heldout["v"] == pytest.approx(full_report.heldout["v"], abs=1e-4)
+
+
+def test_bad_ranks_are_refused(low_rank_problem):
+    *_, stats = low_rank_problem
+    with pytest.raises(KVMapError, match="rank"):
+        CalibrationConfig(rank=0)
+    with pytest.raises(KVMapError, match="rank must be in"):
+        fit_from_statistics(stats, CalibrationConfig(rank=10_000))

@@ -18,7 +18,7 @@ from .conftest import tiny_model
 
 
 @pytest.fixture(scope="module")
-def mapper(tiny_pair) -> KVMapper:
+def stats(tiny_pair) -> PairStatistics:
     source, target = tiny_pair
     stats = PairStatistics(source.spec, target.spec)
     for i in range(4):
@@ -26,11 +26,22 @@ def mapper(tiny_pair) -> KVMapper:
         x = content_features(capture_kv(source.model, ids), source.spec, slice(1, None))
         y = content_features(capture_kv(target.model, ids), target.spec, slice(1, None))
         stats.update(x, y, held_out=i == 3)
+    return stats
+
+
+@pytest.fixture(scope="module")
+def mapper(stats) -> KVMapper:
     fitted, _ = fit_from_statistics(
         stats, CalibrationConfig(top_k=2), recipe={"text": "random ids", "tokens": 256}
     )
     fitted.info["metrics"]["eval_retention"] = 0.5
     return fitted
+
+
+@pytest.fixture(scope="module")
+def reduced(stats) -> KVMapper:
+    """A reduced-rank mapper of the same pair (rank 5)."""
+    return fit_from_statistics(stats, CalibrationConfig(rank=5))[0]
 
 
 @pytest.fixture
@@ -53,6 +64,25 @@ def test_round_trip_keeps_everything(mapper, saved, tiny_pair):
     ]
     card = (saved / "README.md").read_text()
     assert "tiny-qwen2-1" in card and "eval_retention | 0.5" in card
+
+
+def test_reduced_rank_round_trip_keeps_the_projections(reduced, tiny_pair, tmp_path):
+    folder = reduced.save_pretrained(tmp_path / "reduced")
+    config = json.loads((folder / "kvmap.json").read_text())
+    assert (config["format_version"], config["rank"]) == (2, 5)
+    loaded = KVMapper.from_pretrained(folder)
+    assert loaded.rank == 5 and torch.equal(loaded.projections["v"], reduced.projections["v"])
+    cache = capture_kv(tiny_pair[0].model, torch.randint(0, 100, (20,)))
+    for a, b in zip(loaded.map(cache).values, reduced.map(cache).values):
+        assert torch.equal(a, b)
+    assert "shared projection of rank 5" in (folder / "README.md").read_text()
+    edit_json(folder, lambda d: d.update(rank=None))  # projections present, rank dropped
+    with pytest.raises(PackError, match="inconsistent pack"):
+        KVMapper.from_pretrained(folder)
+
+
+def test_packs_without_projections_stay_version_1(saved):
+    assert json.loads((saved / "kvmap.json").read_text())["format_version"] == 1
 
 
 def test_json_is_sorted_and_indented(saved):
