@@ -29,6 +29,7 @@ from .fit import (
     LayerMap,
     Ridge,
     candidate_ks,
+    candidate_ranks,
     fit_maps,
     fit_reduced_rank,
     heldout_r2,
@@ -65,7 +66,8 @@ class CalibrationConfig:
     whose held-out R^2 is within k_tolerance of the best. sink_tokens: leading tokens
     the target computes itself at transfer time (recorded in the pack). rank: fit a
     reduced-rank map instead (every target layer reads all source layers through one shared
-    projection to ``rank`` dimensions; top_k is then unused).
+    projection to ``rank`` dimensions; top_k is then unused): an int, or "auto" (the smallest
+    of 128, 256, 512, ... whose held-out R^2 is within k_tolerance of the best).
     """
 
     tokens: int = 16384
@@ -80,11 +82,11 @@ class CalibrationConfig:
     sink_tokens: int = 4
     per_file_tokens: int = 2048
     attention_power: float = 0.0
-    rank: int | None = None
+    rank: int | str | None = None
 
     def __post_init__(self) -> None:
-        if self.rank is not None and self.rank < 1:
-            raise KVMapError(f"rank must be a positive int, got {self.rank}")
+        if self.rank not in (None, "auto") and not (isinstance(self.rank, int) and self.rank >= 1):
+            raise KVMapError(f"rank must be 'auto' or a positive int, got {self.rank!r}")
         if self.top_k not in AUTO_K and not (isinstance(self.top_k, int) and self.top_k >= 1):
             raise KVMapError(f"top_k must be one of {AUTO_K} or a positive int, got {self.top_k!r}")
         if self.tokens < 2 * self.window:
@@ -103,7 +105,8 @@ class FitReport:
     """What the fit measured. probe_scores: [Lt, Ls]; per_k: k -> held-out R^2 (mean over
     layers and heads) for K and V (key "chosen": the per-layer selection, with auto-layer);
     chosen_k: the largest k used; layer_ks: k of every target layer; r2_k/r2_v: held-out R^2
-    per target layer of the maps as chosen."""
+    per target layer of the maps as chosen; rank: the reduced rank (None: a k-layer map),
+    with per_k holding "rank N" entries for every rank tried."""
 
     chosen_k: int
     layer_ks: list[int]
@@ -115,6 +118,7 @@ class FitReport:
     heldout_tokens: int
     capture_seconds: float
     solve_seconds: float
+    rank: int | None = None
 
     @property
     def heldout(self) -> dict[str, float]:
@@ -125,6 +129,7 @@ class FitReport:
         best = self.heldout
         return {
             "k": self.chosen_k,
+            "rank": self.rank,
             "heldout_r2_k": best["k"],
             "heldout_r2_v": best["v"],
             "heldout_r2_k_k1": self.per_k[1]["k"] if 1 in self.per_k else None,
@@ -440,16 +445,20 @@ def fit_from_statistics(
 def _fit_reduced_rank(split, config, geo, ridge, recipe, capture_seconds, started):
     """fit_from_statistics for ``config.rank``: held-out R^2 of the train-fitted maps, then the
     final maps on all windows."""
-    per_layer = heldout_r2_reduced(split.train, split.heldout, geo, ridge, config.rank)
+    ranks = candidate_ranks(geo) if config.rank == "auto" else [config.rank]
+    per_layer = heldout_r2_reduced(split.train, split.heldout, geo, ridge, ranks)
+    per_rank = {r: {kind: v.mean().item() for kind, v in per_layer[r].items()} for r in ranks}
+    rank = _smallest_within(per_rank, config.k_tolerance)
     everything = {kind: split.train[kind].merged(split.heldout[kind]) for kind in KINDS}
-    fitted = {kind: fit_reduced_rank(everything[kind], geo, ridge, config.rank) for kind in KINDS}
+    fitted = {kind: fit_reduced_rank(everything[kind], geo, ridge, rank) for kind in KINDS}
     every = list(range(geo.source_layers))
     report = FitReport(
         chosen_k=geo.source_layers, layer_ks=[geo.source_layers] * geo.target_layers,
-        per_k={"chosen": {kind: per_layer[kind].mean().item() for kind in KINDS}},
-        probe_scores=torch.empty(0), r2_k=per_layer["k"].tolist(), r2_v=per_layer["v"].tolist(),
+        per_k={"chosen": per_rank[rank], **{f"rank {r}": v for r, v in per_rank.items()}},
+        probe_scores=torch.empty(0), r2_k=per_layer[rank]["k"].tolist(),
+        r2_v=per_layer[rank]["v"].tolist(),
         train_tokens=round(split.train["k"].n), heldout_tokens=round(split.heldout["k"].n),
-        capture_seconds=capture_seconds, solve_seconds=time.perf_counter() - started,
+        capture_seconds=capture_seconds, solve_seconds=time.perf_counter() - started, rank=rank,
     )  # fmt: skip
     mapper = KVMapper(
         split.source, split.target, [every] * geo.target_layers,
@@ -457,7 +466,7 @@ def _fit_reduced_rank(split, config, geo, ridge, recipe, capture_seconds, starte
         ridge=config.ridge, sink_tokens=config.sink_tokens, info=_info(recipe, report),
         projections={kind: fitted[kind][0].float() for kind in KINDS},
     )  # fmt: skip
-    log.info("fitted reduced-rank %d map: held-out R2 K %.3f V %.3f", config.rank,
+    log.info("fitted reduced-rank %d map: held-out R2 K %.3f V %.3f", rank,
              *(report.heldout[kind] for kind in KINDS))  # fmt: skip
     return mapper, report
 

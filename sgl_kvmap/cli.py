@@ -14,6 +14,15 @@ PACK_TOKENS = 131072  # `fit` builds packs to publish: the calibration budget th
 DEMO_ANCHORS, DEMO_DRAFT = 112, 8  # the repaired hand-off the demo reports (README: fidelity)
 
 
+def _rank(value: str | None) -> int | str | None:
+    if value in (None, "auto"):
+        return value
+    try:
+        return int(value)
+    except ValueError as err:
+        raise click.BadParameter(f"--rank takes 'auto' or an integer, got {value!r}") from err
+
+
 def _top_k(value: str) -> int | str:
     if value in AUTO_K:
         return value
@@ -103,10 +112,10 @@ def main(verbose: bool) -> None:
 )
 @click.option(
     "--rank",
-    type=click.IntRange(min=1),
     default=None,
     help="Fit a reduced-rank map instead of choosing k: every target layer reads all source "
-    "layers through one shared projection of this rank.",
+    "layers through one shared projection of rank N, or 'auto' (chosen on held-out "
+    "calibration tokens).",
 )
 def fit(
     source,
@@ -135,7 +144,7 @@ def fit(
         sink_tokens=sink_tokens,
         stride=stride,
         attention_power=attention_power,
-        rank=rank,
+        rank=_rank(rank),
     )
     ((mapper, report),) = fit_mapper(source, target, list(calibration) or None, config)
     mapper.save_pretrained(out)

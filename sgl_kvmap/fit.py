@@ -166,21 +166,7 @@ def fit_reduced_rank(
     P = W V [dx, rank] (shared by every target layer) and per target layer B_l = V^T[:, layer
     columns] [rank, wt] with its bias (refitted for W_r), float64.
     """
-    x_cols = geo.source_cols(range(geo.source_layers))
-    widest = min(x_cols.numel(), geo.target_layers * geo.target_width)
-    if not 1 <= rank <= widest:
-        raise KVMapError(f"rank must be in 1..{widest} for this pair, got {rank}")
-    y_cols = torch.arange(geo.target_layers * geo.target_width)
-    w, _ = fit_affine(m, x_cols, y_cols, ridge)
-    _, vectors = torch.linalg.eigh(w.T @ m.centered_gram(x_cols) @ w)
-    basis = vectors[:, -rank:].flip(1)
-    projection = w @ basis
-    bias = m.mean_y[y_cols] - m.mean_x[x_cols] @ projection @ basis.T
-    maps = [
-        LayerMap(basis.T[:, geo.target_cols(layer)], bias[geo.target_cols(layer)])
-        for layer in range(geo.target_layers)
-    ]
-    return projection, maps
+    return _truncated(m, geo, *_full_map_and_directions(m, geo, ridge), rank)
 
 
 def heldout_r2_reduced(
@@ -188,23 +174,67 @@ def heldout_r2_reduced(
     heldout: dict[str, Moments],
     geo: Geometry,
     ridge: float | Ridge,
-    rank: int,
-) -> dict[str, torch.Tensor]:
-    """Held-out R^2 per target layer (mean over heads) of reduced-rank maps fitted on ``train``:
-    kind -> [Lt]."""
+    ranks: list[int],
+) -> dict[int, dict[str, torch.Tensor]]:
+    """Held-out R^2 per target layer (mean over heads) of reduced-rank maps fitted on ``train``,
+    for every rank in ``ranks`` (one full fit and eigendecomposition per kind serve them all):
+    rank -> kind -> [Lt]."""
     x_cols = geo.source_cols(range(geo.source_layers))
-    out = {}
+    out: dict[int, dict[str, torch.Tensor]] = {rank: {} for rank in ranks}
     for kind in KINDS:
-        projection, maps = fit_reduced_rank(train[kind], geo, ridge, rank)
-        r2 = []
-        for layer, layer_map in enumerate(maps):
-            sse, sst = residuals(
-                heldout[kind], x_cols, geo.target_cols(layer), projection @ layer_map.weight,
-                layer_map.bias,
-            )  # fmt: skip
-            r2.append(r2_by_head(sse, sst, geo.target_head_dim).mean())
-        out[kind] = torch.stack(r2)
+        full, directions = _full_map_and_directions(train[kind], geo, ridge)
+        for rank in ranks:
+            projection, maps = _truncated(train[kind], geo, full, directions, rank)
+            r2 = []
+            for layer, layer_map in enumerate(maps):
+                sse, sst = residuals(
+                    heldout[kind], x_cols, geo.target_cols(layer), projection @ layer_map.weight,
+                    layer_map.bias,
+                )  # fmt: skip
+                r2.append(r2_by_head(sse, sst, geo.target_head_dim).mean())
+            out[rank][kind] = torch.stack(r2)
     return out
+
+
+def candidate_ranks(geo: Geometry) -> list[int]:
+    """128, 256, 512, ... below the widest rank the pair allows, then that rank."""
+    widest = _widest_rank(geo)
+    ranks, rank = [], 128
+    while rank < widest:
+        ranks.append(rank)
+        rank *= 2
+    return ranks + [widest]
+
+
+def _widest_rank(geo: Geometry) -> int:
+    return min(geo.source_layers * geo.source_width, geo.target_layers * geo.target_width)
+
+
+def _full_map_and_directions(
+    m: Moments, geo: Geometry, ridge: float | Ridge
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full ridge map W [dx, Lt * wt] and the directions of its fitted values, largest
+    variance first [Lt * wt, widest rank]."""
+    x_cols = geo.source_cols(range(geo.source_layers))
+    w, _ = fit_affine(m, x_cols, torch.arange(geo.target_layers * geo.target_width), ridge)
+    _, vectors = torch.linalg.eigh(w.T @ m.centered_gram(x_cols) @ w)
+    return w, vectors[:, -_widest_rank(geo) :].flip(1)
+
+
+def _truncated(
+    m: Moments, geo: Geometry, full: torch.Tensor, directions: torch.Tensor, rank: int
+) -> tuple[torch.Tensor, list[LayerMap]]:
+    if not 1 <= rank <= directions.shape[1]:
+        raise KVMapError(f"rank must be in 1..{directions.shape[1]} for this pair, got {rank}")
+    x_cols = geo.source_cols(range(geo.source_layers))
+    basis = directions[:, :rank]
+    projection = full @ basis
+    bias = m.mean_y - m.mean_x[x_cols] @ projection @ basis.T
+    maps = [
+        LayerMap(basis.T[:, geo.target_cols(layer)], bias[geo.target_cols(layer)])
+        for layer in range(geo.target_layers)
+    ]
+    return projection, maps
 
 
 def _fit_layers(

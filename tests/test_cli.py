@@ -102,6 +102,17 @@ def test_bad_top_k_is_a_usage_error(model_dirs, tmp_path):
     assert result.exit_code == 2 and "auto" in result.output
 
 
+def test_fit_with_auto_rank_writes_a_reduced_rank_pack(model_dirs, text_dir, tmp_path):
+    args = ["fit", *model_dirs, "--out", str(tmp_path / "p"), "--calibration",
+            str(text_dir / "calib"), "--tokens", "1024", "--window", "128",
+            "--rank", "auto"]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "p" / "kvmap.json").read_text())["rank"] == 96
+    bad = CliRunner().invoke(main, [*args[:-1], "many"])
+    assert bad.exit_code == 2 and "'auto' or an integer" in bad.output
+
+
 def test_sglang_args_give_the_target_its_peer_and_pack(fitted_pack, model_dirs):
     import shlex
 

@@ -215,9 +215,24 @@ def test_full_rank_equals_the_all_layer_ridge(exact_problem):
     assert reduced_report.heldout["v"] == pytest.approx(full_report.heldout["v"], abs=1e-4)
 
 
+def test_candidate_ranks_double_up_to_the_widest():
+    from sgl_kvmap.fit import Geometry, candidate_ranks
+
+    assert candidate_ranks(Geometry(24, 128, 28, 256, 128)) == [128, 256, 512, 1024, 2048, 3072]
+    assert candidate_ranks(Geometry(3, 32, 4, 32, 32)) == [96]
+
+
+def test_auto_rank_records_every_rank_tried(low_rank_problem):
+    *_, stats = low_rank_problem
+    mapper, report = fit_from_statistics(stats, CalibrationConfig(ridge=1e-6, rank="auto"))
+    assert report.rank == mapper.rank == 96 and "rank 96" in report.per_k
+    assert report.summary()["rank"] == 96 and report.heldout["k"] > 0.999
+
+
 def test_bad_ranks_are_refused(low_rank_problem):
     *_, stats = low_rank_problem
-    with pytest.raises(KVMapError, match="rank"):
-        CalibrationConfig(rank=0)
+    for bad in (0, "most"):
+        with pytest.raises(KVMapError, match="rank"):
+            CalibrationConfig(rank=bad)
     with pytest.raises(KVMapError, match="rank must be in"):
         fit_from_statistics(stats, CalibrationConfig(rank=10_000))
