@@ -75,7 +75,8 @@ CONFIGS.update(
     }
 )
 CAL_128K = CONFIGS["cal-128k"]
-CONFIGS.update({f"128k-rank-{r}": replace(CAL_128K, rank=r) for r in (512, 768, 1024)})
+CONFIGS.update({f"128k-rank-{r}": replace(CAL_128K, rank=r) for r in (512, 768, 1024, "auto")})
+CONFIGS["16k-rank-auto"] = replace(BASE, rank="auto")
 HELDOUT_SPLIT = "every 8th file"
 # token weightings: unweighted for both directions, the attention-weighted ones for 0.5B->1.5B
 # only (each direction's statistics take GBs)
