@@ -299,14 +299,15 @@ def _row(
 
 def _k_label(fit, config: CalibrationConfig) -> str | int:
     if config.rank is not None:
-        return f"all, rank {config.rank}"
+        return f"all, rank {fit.rank}" + (" (auto)" if config.rank == "auto" else "")
     return fit.chosen_k if config.top_k != "auto-layer" else "per layer"
 
 
 def _record(row: dict) -> None:
     path = RESULTS / "fidelity.json"
     rows = json.loads(path.read_text()) if path.exists() else []
-    rows = [r for r in rows if (r["config"], r["direction"]) != (row["config"], row["direction"])]
+    key = ("config", "direction", "repair")  # one row per repair setting too
+    rows = [r for r in rows if [r.get(k) for k in key] != [row[k] for k in key]]
     path.write_text(json.dumps(rows + [json.loads(json.dumps(row))], indent=1) + "\n")
 
 

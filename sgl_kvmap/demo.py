@@ -31,11 +31,15 @@ def run_demo(
     tail: int,
     bench_tokens: int,
     repair: Repair | None = None,
+    rank: int | str | None = None,
 ) -> str:
-    """Run the whole job and return the summary table (also saved under ``out``)."""
+    """Run the whole job and return the summary table (also saved under ``out``). rank: the
+    reduced rank of both maps (CalibrationConfig.rank; None: k selected source layers)."""
     small = load_model(str(ensure_model(SMALL)))
     large = load_model(str(ensure_model(LARGE)))
-    fits = fit_mapper(small, large, config=CalibrationConfig(tokens=tokens), both_directions=True)
+    fits = fit_mapper(
+        small, large, config=CalibrationConfig(tokens=tokens, rank=rank), both_directions=True
+    )
     fit_peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     eval_ids = eval_windows(
         large.tokenizer, default_eval_files(), prefix_len + continuation, windows
@@ -74,7 +78,7 @@ def run_demo(
 
 
 COLUMNS = [  # header, width, value from one direction's fit, eval and speed results
-    ("k", 3, lambda f, e, r: str(f["k"])),
+    ("k", 6, lambda f, e, r: f"r{f['rank']}" if f.get("rank") else str(f["k"])),
     ("R2 K/V k=1", 11, lambda f, e, r: _pair(f["heldout_r2_k_k1"], f["heldout_r2_v_k1"])),
     ("R2 K/V", 11, lambda f, e, r: _pair(f["heldout_r2_k"], f["heldout_r2_v"])),
     ("target", 6, lambda f, e, r: _num(e["reference"]["accuracy"])),
@@ -120,7 +124,8 @@ def format_table(results: dict) -> str:
         "hand-off forward; map + the target's one hand-off forward (sink tokens and the last",
         "prompt token together); x +rep: the same with the tail, the source's draft and the",
         "anchors. gap = (mapped - source) / (target - source), n/a where the source is the",
-        "better model: read retention there.",
+        "better model: read retention there. k: source layers per target layer (rN: all of",
+        "them through a shared rank-N projection).",
     ]
     return "\n".join(lines)
 

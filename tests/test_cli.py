@@ -41,7 +41,8 @@ def fitted_pack(model_dirs, text_dir, tmp_path_factory):
 def test_fit_writes_a_valid_pack_and_prints_its_summary(fitted_pack):
     out, output = fitted_pack
     summary = json.loads(output[: output.rindex("}") + 1])
-    assert summary["k"] == 2 and summary["train_tokens"] > 0
+    assert summary["k"] == 2 and summary["rank"] is None  # an explicit --top-k: k layers
+    assert summary["train_tokens"] > 0
     assert (out / "mapper.safetensors").is_file()
     recipe = json.loads((out / "kvmap.json").read_text())["calibration"]
     assert recipe["attention_power"] == 0.5 and recipe["heldout_every"] == 8
@@ -102,15 +103,20 @@ def test_bad_top_k_is_a_usage_error(model_dirs, tmp_path):
     assert result.exit_code == 2 and "auto" in result.output
 
 
-def test_fit_with_auto_rank_writes_a_reduced_rank_pack(model_dirs, text_dir, tmp_path):
+def test_fit_defaults_to_an_auto_rank_pack(model_dirs, text_dir, tmp_path):
     args = ["fit", *model_dirs, "--out", str(tmp_path / "p"), "--calibration",
-            str(text_dir / "calib"), "--tokens", "1024", "--window", "128",
-            "--rank", "auto"]  # fmt: skip
+            str(text_dir / "calib"), "--tokens", "1024", "--window", "128"]  # fmt: skip
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "p" / "kvmap.json").read_text())["rank"] == 96
-    bad = CliRunner().invoke(main, [*args[:-1], "many"])
-    assert bad.exit_code == 2 and "'auto' or an integer" in bad.output
+    bad = CliRunner().invoke(main, [*args, "--rank", "many"])
+    assert bad.exit_code == 2 and "'auto', 'none' or an integer" in bad.output
+
+
+def test_top_k_with_a_rank_is_a_usage_error(model_dirs, tmp_path):
+    args = ["fit", *model_dirs, "--out", str(tmp_path / "p"), "--top-k", "2"]
+    both = CliRunner().invoke(main, [*args, "--rank", "auto"])
+    assert both.exit_code == 2 and "--rank none" in both.output
 
 
 def test_sglang_args_give_the_target_its_peer_and_pack(fitted_pack, model_dirs):
