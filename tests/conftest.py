@@ -104,8 +104,11 @@ def tiny_mapper(tiny_pair):
     return fit_tiny_mapper(*tiny_pair)
 
 
-def fit_tiny_mapper(source: LoadedModel, target: LoadedModel, top_k: int = 2):
-    """A source -> target mapper fitted on six random windows of 64 tokens (no sink tokens)."""
+def fit_tiny_mapper(
+    source: LoadedModel, target: LoadedModel, top_k: int = 2, rank: int | None = None
+):
+    """A source -> target mapper fitted on six random windows of 64 tokens (no sink tokens;
+    rank: a reduced-rank mapper instead)."""
     from sgl_kvmap.calibrate import (
         CalibrationConfig,
         PairStatistics,
@@ -125,5 +128,6 @@ def fit_tiny_mapper(source: LoadedModel, target: LoadedModel, top_k: int = 2):
             ),
             held_out=i == 5,
         )
-    mapper, _ = fit_from_statistics(stats, CalibrationConfig(top_k=top_k, sink_tokens=0))
+    config = CalibrationConfig(top_k=top_k, sink_tokens=0, rank=rank)
+    mapper, _ = fit_from_statistics(stats, config)
     return mapper

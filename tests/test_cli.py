@@ -108,6 +108,10 @@ def test_fit_defaults_to_an_auto_rank_pack(model_dirs, text_dir, tmp_path):
             str(text_dir / "calib"), "--tokens", "1024", "--window", "128"]  # fmt: skip
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
+    pack = json.loads((tmp_path / "p" / "kvmap.json").read_text())
+    assert pack["calibration"]["rank"] == "auto" and pack["rank"] is None  # k layers won here
+    fixed = CliRunner().invoke(main, [*args, "--rank", "96"])
+    assert fixed.exit_code == 0, fixed.output
     assert json.loads((tmp_path / "p" / "kvmap.json").read_text())["rank"] == 96
     bad = CliRunner().invoke(main, [*args, "--rank", "many"])
     assert bad.exit_code == 2 and "'auto', 'none' or an integer" in bad.output

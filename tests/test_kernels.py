@@ -16,20 +16,31 @@ def pool(spec, slots: int, dtype=torch.float32) -> PagedKV:
     )
 
 
+@pytest.fixture(scope="module")
+def reduced_rank_mapper(tiny_pair):
+    from .conftest import fit_tiny_mapper
+
+    return fit_tiny_mapper(*tiny_pair, rank=16)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_scattered_slots_get_the_reference_translation(tiny_pair, tiny_mapper, dtype):
+@pytest.mark.parametrize("family", ["k-layer", "reduced-rank"])
+def test_scattered_slots_get_the_reference_translation(
+    tiny_pair, tiny_mapper, reduced_rank_mapper, dtype, family
+):
     source, target = tiny_pair
+    mapper = tiny_mapper if family == "k-layer" else reduced_rank_mapper
     cache = capture_kv(source.model, torch.randint(0, 100, (40,)))
     src_pool, dst_pool = pool(source.spec, 64, dtype), pool(target.spec, 50, dtype)
     src_slots, dst_slots = torch.randperm(64)[:40], torch.randperm(50)[:40]
     for buffer, layer in zip(src_pool.keys + src_pool.values, cache.keys + cache.values):
         buffer[src_slots] = layer.to(dtype)
-    reference = tiny_mapper.map(
+    reference = mapper.map(
         type(cache)(
             [k.to(dtype) for k in cache.keys], [v.to(dtype) for v in cache.values], cache.positions
         )
     )
-    translate_pages(tiny_mapper, src_pool, src_slots, dst_pool, dst_slots, cache.positions)
+    translate_pages(mapper, src_pool, src_slots, dst_pool, dst_slots, cache.positions)
     for buffer, want in zip(dst_pool.keys + dst_pool.values, reference.keys + reference.values):
         torch.testing.assert_close(buffer[dst_slots], want.to(dtype), rtol=0, atol=0)
         untouched = torch.ones(50, dtype=torch.bool)

@@ -229,6 +229,20 @@ def test_auto_rank_records_every_rank_tried(low_rank_problem):
     assert report.summary()["rank"] == 96 and report.heldout["k"] > 0.999
 
 
+def test_auto_rank_keeps_the_k_layer_map_only_where_it_is_clearly_better(low_rank_problem):
+    from sgl_kvmap.calibrate import _better_map
+
+    *_, stats = low_rank_problem
+    config = CalibrationConfig(ridge=1e-6)
+    k_layers = fit_from_statistics(stats, config)
+    short = fit_from_statistics(stats, replace(config, rank=1))  # cannot hold the rank-3 map
+    mapper, report = _better_map(short, k_layers, tolerance=0.01)
+    assert mapper is k_layers[0] and report.rank is None and "rank 1" in report.per_k
+    exact = fit_from_statistics(stats, replace(config, rank=3))  # as good: the cheaper family
+    mapper, report = _better_map(exact, fit_from_statistics(stats, config), tolerance=0.01)
+    assert mapper is exact[0] and report.rank == 3 and 1 in report.per_k
+
+
 def test_bad_ranks_are_refused(low_rank_problem):
     *_, stats = low_rank_problem
     for bad in (0, "most"):
