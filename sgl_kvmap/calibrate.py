@@ -399,14 +399,15 @@ def fit_from_statistics(
         source.num_layers, source.kv_width, target.num_layers, target.kv_width, target.head_dim
     )
     ridge = Ridge(config.ridge, config.ridge_relative)
+    # the final maps are fitted on train + held-out: merged once, whichever family is fitted
+    everything = {kind: split.train[kind].merged(split.heldout[kind]) for kind in KINDS}
+    common = (split, everything, config, geo, ridge, recipe, capture_seconds)
     if config.rank is None:
-        return _fit_k_layers(split, config, geo, ridge, recipe, capture_seconds, started)
-    reduced = _fit_reduced_rank(split, config, geo, ridge, recipe, capture_seconds, started)
+        return _fit_k_layers(*common, started)
+    reduced = _fit_reduced_rank(*common, started)
     if config.rank != "auto":
         return reduced
-    k_layers = _fit_k_layers(
-        split, config, geo, ridge, recipe, capture_seconds, time.perf_counter()
-    )
+    k_layers = _fit_k_layers(*common, time.perf_counter())
     return _better_map(reduced, k_layers, config.k_tolerance)
 
 
@@ -426,7 +427,7 @@ def _better_map(reduced, k_layers, tolerance: float) -> tuple[KVMapper, FitRepor
     return mapper, report
 
 
-def _fit_k_layers(split, config, geo, ridge, recipe, capture_seconds, started):
+def _fit_k_layers(split, everything, config, geo, ridge, recipe, capture_seconds, started):
     """fit_from_statistics for k selected source layers per target layer."""
     source, target = split.source, split.target
     scores = probe_scores(split.train, geo, ridge)
@@ -450,7 +451,6 @@ def _fit_k_layers(split, config, geo, ridge, recipe, capture_seconds, started):
         per_k["chosen"] = {kind: per_layer["chosen"][kind].mean().item() for kind in KINDS}
     chosen = "chosen" if config.top_k == "auto-layer" else layer_ks[0]
     heldout = per_k[chosen]
-    everything = {kind: split.train[kind].merged(split.heldout[kind]) for kind in KINDS}
     maps = fit_maps(everything, selection, geo, ridge)
     report = FitReport(
         chosen_k=max(layer_ks), layer_ks=layer_ks, per_k=per_k, probe_scores=scores.float(),
@@ -472,14 +472,13 @@ def _fit_k_layers(split, config, geo, ridge, recipe, capture_seconds, started):
     return mapper, report
 
 
-def _fit_reduced_rank(split, config, geo, ridge, recipe, capture_seconds, started):
+def _fit_reduced_rank(split, everything, config, geo, ridge, recipe, capture_seconds, started):
     """fit_from_statistics for ``config.rank``: held-out R^2 of the train-fitted maps, then the
     final maps on all windows."""
     ranks = candidate_ranks(geo) if config.rank == "auto" else [config.rank]
     per_layer = heldout_r2_reduced(split.train, split.heldout, geo, ridge, ranks)
     per_rank = {r: {kind: v.mean().item() for kind, v in per_layer[r].items()} for r in ranks}
     rank = _smallest_within(per_rank, config.k_tolerance)
-    everything = {kind: split.train[kind].merged(split.heldout[kind]) for kind in KINDS}
     fitted = {kind: fit_reduced_rank(everything[kind], geo, ridge, rank) for kind in KINDS}
     every = list(range(geo.source_layers))
     report = FitReport(

@@ -4,10 +4,10 @@
                          reduced-rank mapper k.projection / v.projection
     kvmap.json           format version, both ModelSpecs + fingerprints, selection, ridge,
                          sink tokens, rank, calibration recipe, metrics, sha256 of the tensors
+    README.md            model card generated from kvmap.json
 
 Format version 2 is version 1 plus the optional projections (written only by reduced-rank
 mappers, so every other pack stays readable by version-1 readers).
-    README.md            model card generated from kvmap.json
 
 Saving writes a temporary sibling folder and renames it into place, so a crash never leaves a
 half-written pack. Loading checks everything and raises PackError saying what is wrong.

@@ -60,16 +60,24 @@ def exact_problem(request, tiny_pair):
         kind: [(torch.randn(len(s) * ws, wt) / ws**0.5, torch.randn(wt)) for s in TRUE_SOURCES]
         for kind in ("k", "v")
     }
+    stats = statistics_of(
+        source, target, lambda src: synthetic_target_cache(src, source.spec, target.spec, weights)
+    )
+    return source, target, weights, stats
+
+
+def statistics_of(source, target, target_cache_of) -> PairStatistics:
+    """Statistics of six random 64-token windows of ``source`` (the last held out) against the
+    synthetic target caches ``target_cache_of(source_cache)``."""
     stats = PairStatistics(source.spec, target.spec)
     for i in range(6):
         src = capture_kv(source.model, torch.randint(0, 100, (64,)))
-        tgt = synthetic_target_cache(src, source.spec, target.spec, weights)
         stats.update(
             content_features(src, source.spec, slice(1, None)),
-            content_features(tgt, target.spec, slice(1, None)),
+            content_features(target_cache_of(src), target.spec, slice(1, None)),
             held_out=i == 5,
         )
-    return source, target, weights, stats
+    return stats
 
 
 def test_exact_linear_target_is_recovered(exact_problem):
@@ -175,15 +183,9 @@ def low_rank_problem(tiny_pair):
         kind: (torch.randn(dx, 3) / dx**0.5, torch.randn(3, dy), torch.randn(dy))
         for kind in ("k", "v")
     }
-    stats = PairStatistics(source.spec, target.spec)
-    for i in range(6):
-        src = capture_kv(source.model, torch.randint(0, 100, (64,)))
-        tgt = low_rank_target(src, source.spec, target.spec, factors)
-        stats.update(
-            content_features(src, source.spec, slice(1, None)),
-            content_features(tgt, target.spec, slice(1, None)),
-            held_out=i == 5,
-        )
+    stats = statistics_of(
+        source, target, lambda src: low_rank_target(src, source.spec, target.spec, factors)
+    )
     return source, target, factors, stats
 
 
