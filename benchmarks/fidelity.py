@@ -41,6 +41,7 @@ from sgl_kvmap.evaluate import EvalRuns, evaluate
 from sgl_kvmap.texts import default_eval_files, eval_windows, prompt_of_length
 from sgl_kvmap.timing import measure_speed
 from sgl_kvmap.transfer import Repair
+from sgl_kvmap.tune import TuneConfig, tune_mapper
 
 RESULTS = Path(__file__).parent / "results"
 BASE = CalibrationConfig(tokens=16384)
@@ -77,6 +78,14 @@ CONFIGS.update(
 CAL_128K = CONFIGS["cal-128k"]
 CONFIGS.update({f"128k-rank-{r}": replace(CAL_128K, rank=r) for r in (512, 768, 1024, "auto")})
 CONFIGS["16k-rank-auto"] = replace(BASE, rank="auto")
+CONFIGS["128k-k-16"] = replace(CAL_128K, top_k=16)
+# downstream tuning (``tune.tune_mapper``) after a configuration's fit: name -> (fit, tuning)
+TUNED = {
+    f"{fitted}-tune-{steps}": (fitted, TuneConfig(steps=steps))
+    for fitted in ("128k-rank-auto", "128k-k-16", "16k-rank-auto")
+    for steps in (60, 120, 240)
+}
+CONFIGS.update({name: CONFIGS[fitted] for name, (fitted, _) in TUNED.items()})
 HELDOUT_SPLIT = "every 8th file"
 # token weightings: unweighted for both directions, the attention-weighted ones for 0.5B->1.5B
 # only (each direction's statistics take GBs)
@@ -143,6 +152,9 @@ def main(
             if fitted is None:
                 continue  # not asked for, or this weighting was captured for one direction only
             mapper, fit, solve_seconds = fitted
+            tuning = None
+            if name in TUNED:
+                mapper, tuning = tune_mapper(mapper, source, target, None, TUNED[name][1])
             reports = {
                 t: evaluate(
                     mapper,
@@ -178,6 +190,8 @@ def main(
                 name, direction, config, capture_seconds, fit, solve_seconds, reports, speeds,
                 main_tail,
             )  # fmt: skip
+            if tuning is not None:
+                row["tuning"] = {**tuning.summary(), "curve": tuning.curve}
             _record(row)
             _write_table()
             _plot()
@@ -329,6 +343,7 @@ TABLE = [  # header, cell of one row
     ("NLL mapped / +T", lambda r: f"{r['nll']['mapped']:.3f} / {r['nll']['mapped_tail']:.3f}"),
     ("+T + repair", lambda r: _repaired(r)),
     ("fit s", lambda r: f"{r['fit_seconds']:.0f}"),
+    ("tuned: steps, held-out NLL, s", lambda r: _tuned(r)),
     (
         "map+sinks s",
         lambda r: (
@@ -349,6 +364,16 @@ def _repaired(r: dict) -> str:
     return (
         f"{r['accuracy']['repaired']:.3f} (ret {_f(r['retention_repaired'])}, gap {_f(gap)}, "
         f"{speed['end_to_end_speedup']:.1f}x; {r['repair']})"
+    )
+
+
+def _tuned(r: dict) -> str:
+    if "tuning" not in r:
+        return "-"
+    t = r["tuning"]
+    return (
+        f"{t['tune_best_step']} of {t['tune_steps']}, {t['tune_heldout_nll_fitted']:.3f} -> "
+        f"{t['tune_heldout_nll']:.3f}, {t['tune_seconds']:.0f}"
     )
 
 

@@ -255,6 +255,17 @@ def load_state(path: Path, source: ModelSpec, target: ModelSpec) -> CalibrationS
     )
 
 
+def calibration_files(calibration, heldout_every: int) -> tuple[list[Path], list[Path]]:
+    """(training, held-out) calibration files, each in shuffled order: every ``heldout_every``-th
+    file of the shuffled list is held out (at least one), so no file feeds both."""
+    files = shuffled(expand_paths(calibration) if calibration else stdlib_files())
+    held = set(files[heldout_every - 1 :: heldout_every] or files[-1:])
+    train_files = [f for f in files if f not in held]
+    if not train_files:
+        raise KVMapError("calibration needs at least two text files (training and held-out)")
+    return train_files, [f for f in files if f in held]
+
+
 def calibration_token_windows(
     tokenizer, calibration, config: CalibrationConfig
 ) -> list[torch.Tensor]:
@@ -265,13 +276,8 @@ def calibration_token_windows(
     list (at least one file), training windows from the others, so no file feeds both. The list
     for a budget is a prefix of the list for any larger budget (statistics can be grown).
     """
-    files = shuffled(expand_paths(calibration) if calibration else stdlib_files())
     every = config.heldout_every
-    held = set(files[every - 1 :: every] or files[-1:])
-    train_files = [f for f in files if f not in held]
-    heldout_files = [f for f in files if f in held]
-    if not train_files:
-        raise KVMapError("calibration needs at least two text files (training and held-out)")
+    train_files, heldout_files = calibration_files(calibration, every)
     streams = {
         held: calibration_windows(tokenizer, subset, config.window, 2**62, config.per_file_tokens)
         for held, subset in ((False, train_files), (True, heldout_files))

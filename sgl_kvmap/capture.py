@@ -126,6 +126,19 @@ def run(
     )
 
 
+def logits_over(model: torch.nn.Module, cache: KVCache, input_ids: torch.Tensor) -> torch.Tensor:
+    """Logits [tokens, vocab] (float32) of ``input_ids: [tokens]`` read after ``cache`` (positions
+    continue from it), with autograd on: gradients flow back into the cache's tensors (freeze the
+    model's own weights to leave them out). ``tune`` trains a mapper through this."""
+    if input_ids.ndim != 1 or input_ids.numel() == 0:
+        raise ValueError(
+            f"input_ids must be a non-empty 1-D tensor, got shape {tuple(input_ids.shape)}"
+        )
+    with torch.enable_grad():
+        out, _ = _forward(model, input_ids, cache, input_ids.numel(), want_queries=False)
+    return out.logits[0].float()
+
+
 def capture_kv(
     model: torch.nn.Module, input_ids: torch.Tensor, chunk_size: int | None = None
 ) -> KVCache:

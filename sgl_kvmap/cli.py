@@ -10,11 +10,13 @@ import click
 from click.core import ParameterSource
 
 from .calibrate import AUTO_K, CalibrationConfig
+from .tune import TuneConfig
 
 PACK_TOKENS = 131072  # `fit` builds packs to publish: the calibration budget that won on the pair
 PACK_RANK = "auto"  # reduced-rank maps beat k-layer maps at that budget (README: fidelity)
 DEMO_ANCHORS, DEMO_DRAFT = 112, 8  # the repaired hand-off the demo reports (README: fidelity)
 DEMO_RANK = "auto"  # at the demo's 16k tokens too (README: fidelity)
+PACK_TUNE_STEPS = 0  # downstream tuning steps after the fit (README: fidelity)
 
 
 def _rank(value: str | None) -> int | str | None:
@@ -142,6 +144,13 @@ def main(verbose: bool) -> None:
     "'none': a map from k selected source layers (--top-k). An explicit --top-k alone means "
     "'none'.",
 )
+@click.option(
+    "--tune-steps",
+    default=PACK_TUNE_STEPS,
+    show_default=True,
+    help="Then tune the fitted map for this many steps on the target's next-token loss over "
+    "translated caches (`sgl-kvmap tune`; 0: the closed-form fit as it is).",
+)
 @click.pass_context
 def fit(
     ctx,
@@ -158,9 +167,11 @@ def fit(
     stride,
     attention_power,
     rank,
+    tune_steps,
 ) -> None:
     """Fit a SOURCE -> TARGET mapper (anything transformers loads) and save it as a pack."""
     from .calibrate import fit_mapper
+    from .capture import load_model
 
     rank = _rank_or_top_k(ctx, _rank(rank))
 
@@ -175,9 +186,81 @@ def fit(
         attention_power=attention_power,
         rank=rank,
     )
-    ((mapper, report),) = fit_mapper(source, target, list(calibration) or None, config)
+    texts = list(calibration) or None
+    models = load_model(source), load_model(target)
+    ((mapper, report),) = fit_mapper(*models, texts, config)
+    summary = report.summary()
+    if tune_steps:
+        from .tune import TuneConfig, tune_mapper
+
+        mapper, tuning = tune_mapper(mapper, *models, texts, TuneConfig(steps=tune_steps))
+        summary.update(tuning.summary())
     mapper.save_pretrained(out)
-    click.echo(json.dumps(report.summary(), indent=2))
+    click.echo(json.dumps(summary, indent=2))
+    click.echo(f"pack written to {out}")
+
+
+@main.command()
+@click.argument("pack", type=click.Path(exists=True, file_okay=False))
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Pack folder to write the tuned mapper to.",
+)
+@click.option(
+    "--calibration",
+    multiple=True,
+    type=click.Path(exists=True),
+    help="Text file or folder (repeatable), split into training and held-out files as `fit` "
+    "splits them. Default: Python stdlib sources.",
+)
+@click.option("--steps", default=TuneConfig.steps, show_default=True, help="Gradient steps.")
+@click.option("--lr", default=TuneConfig.lr, show_default=True, help="Adam learning rate.")
+@click.option(
+    "--prompt-len",
+    default=TuneConfig.prompt_len,
+    show_default=True,
+    help="Prompt tokens translated per step.",
+)
+@click.option(
+    "--continuation",
+    default=TuneConfig.continuation,
+    show_default=True,
+    help="Tokens after the prompt whose next-token loss is minimised.",
+)
+@click.option(
+    "--eval-every",
+    default=TuneConfig.eval_every,
+    show_default=True,
+    help="Score held-out windows every N steps; the best weights are kept.",
+)
+@click.option("--source", "source_path", default=None, help="Default: the pack's source.")
+@click.option("--target", "target_path", default=None, help="Default: the pack's target.")
+def tune(
+    pack, out, calibration, steps, lr, prompt_len, continuation, eval_every, source_path,
+    target_path,
+) -> None:  # fmt: skip
+    """Tune a pack's map on the target's next-token loss over translated caches, save a pack.
+
+    The map stays linear with the same shapes (kernels and the SGLang extension serve it as
+    they serve a fitted one); held-out calibration windows score it every --eval-every steps
+    and the best weights, the fitted ones included, are kept.
+    """
+    from .capture import load_model
+    from .mapper import KVMapper
+    from .tune import tune_mapper
+
+    mapper = KVMapper.from_pretrained(pack)
+    source = load_model(source_path or mapper.source.model_id)
+    target = load_model(target_path or mapper.target.model_id)
+    config = TuneConfig(
+        steps=steps, lr=lr, prompt_len=prompt_len, continuation=continuation,
+        eval_every=eval_every,
+    )  # fmt: skip
+    tuned, report = tune_mapper(mapper, source, target, list(calibration) or None, config)
+    tuned.save_pretrained(out)
+    click.echo(json.dumps({**report.summary(), "curve": report.curve}, indent=2))
     click.echo(f"pack written to {out}")
 
 

@@ -90,7 +90,8 @@ class KVMapper:
         it is a 16-bit float, as an engine's GEMMs run, else float32; bfloat16 runs on a CPU's
         AMX units or a GPU's tensor cores); the result has the source cache's dtype and the
         same positions. Target layers that read the same source
-        layers share one feature matrix and one matrix product.
+        layers share one feature matrix and one matrix product. Differentiable in the weights
+        when they require grad (``tune.tune_mapper`` trains them).
         """
         self._check_source(source_cache)
         if matmul_dtype is None:
@@ -138,19 +139,25 @@ class KVMapper:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Weights [k * ws, len(layers) * wt] and biases of target layers that share a selection,
         in ``dtype``."""
-        key = (kind, tuple(layers), dtype)
-        if key not in self._stack_cache:
-            maps = [self.maps[kind][layer] for layer in layers]
-            self._stack_cache[key] = (
-                torch.cat([m.weight for m in maps], 1).to(dtype),
-                torch.cat([m.bias for m in maps]).to(dtype),
-            )
-        return self._stack_cache[key]
+        maps = [self.maps[kind][layer] for layer in layers]
+
+        def stack() -> tuple[torch.Tensor, torch.Tensor]:
+            weights, biases = [m.weight for m in maps], [m.bias for m in maps]
+            return torch.cat(weights, 1).to(dtype), torch.cat(biases).to(dtype)
+
+        return self._cached((kind, tuple(layers), dtype), stack, maps[0].weight)
 
     def _projection(self, kind: str, dtype: torch.dtype) -> torch.Tensor:
-        key = (kind, "projection", dtype)
+        projection = self.projections[kind]
+        return self._cached((kind, "projection", dtype), lambda: projection.to(dtype), projection)
+
+    def _cached(self, key: tuple, make, weight: torch.Tensor):
+        """``make()``, cached under ``key`` unless ``weight`` is being trained (``tune``): then
+        every call builds it anew, so gradients reach the weights."""
+        if weight.requires_grad:
+            return make()
         if key not in self._stack_cache:
-            self._stack_cache[key] = self.projections[kind].to(dtype)
+            self._stack_cache[key] = make()
         return self._stack_cache[key]
 
     def _check_source(self, cache: KVCache) -> None:

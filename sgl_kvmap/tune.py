@@ -1,0 +1,228 @@
+"""Downstream tuning: gradient steps on a fitted mapper against the target's own next-token loss.
+
+The closed-form fit minimises the error of every translated K/V entry alike; the target only
+cares about the entries its later tokens read, and about how errors there move its predictions.
+``tune_mapper`` starts from the fitted weights and minimises what matters directly: on windows
+of calibration text, the source's cache of a prompt is translated exactly as a hand-off does it
+(the target's own layer 0 and sink tokens, the rest mapped), the frozen target reads the
+continuation over it, and its cross-entropy on the true next tokens is back-propagated into the
+map's weights (and a reduced-rank map's projections). Held-out windows from the calibration's
+held-out files score the map every ``eval_every`` steps, and the best-scoring weights are kept
+(the fitted ones included), so tuning never returns a map that is worse on held-out text.
+
+The map stays linear and its shapes do not change: a tuned mapper is saved, loaded, translated
+by the kernels and served by the SGLang extension exactly like a fitted one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from .calibrate import calibration_files
+from .capture import KVCache, LoadedModel, capture_kv, logits_over
+from .errors import KVMapError
+from .fit import KINDS, LayerMap
+from .mapper import KVMapper
+from .pack import check_models
+from .texts import calibration_windows
+from .transfer import handoff_split, mapped_prefix
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    """How to tune. Each step reads one window of ``prompt_len + continuation`` calibration
+    tokens (training files only): the prompt is translated, the loss is the target's mean
+    cross-entropy on the ``continuation`` tokens after it. Adam with learning rate ``lr``.
+    Every ``eval_every`` steps (and at the end) the map is scored on ``heldout_windows``
+    windows from the held-out files (every ``heldout_every``-th file, as the fit splits them).
+    """
+
+    steps: int = 60
+    lr: float = 1e-5
+    prompt_len: int = 1024
+    continuation: int = 128
+    eval_every: int = 15
+    heldout_windows: int = 6
+    heldout_every: int = 8
+    per_file_tokens: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.eval_every < 1 or self.heldout_windows < 1:
+            raise KVMapError(f"need steps, eval_every and heldout_windows >= 1, got {self}")
+        if self.lr <= 0 or self.prompt_len < 2 or self.continuation < 1:
+            raise KVMapError(f"need lr > 0, prompt_len >= 2 and continuation >= 1, got {self}")
+
+
+@dataclass
+class TuneReport:
+    """What tuning measured. curve: one entry per held-out scoring, {step, train_nll (mean over
+    the steps since the previous entry; None at step 0), heldout_nll, heldout_accuracy};
+    best_step: the step whose weights were kept (0: the fitted map was best)."""
+
+    config: TuneConfig
+    curve: list[dict] = field(default_factory=list)
+    best_step: int = 0
+    seconds: float = 0.0
+
+    @property
+    def best(self) -> dict:
+        return next(point for point in self.curve if point["step"] == self.best_step)
+
+    def summary(self) -> dict:
+        """Flat figures for a pack's metrics."""
+        first = self.curve[0]
+        return {
+            "tune_steps": self.config.steps,
+            "tune_lr": self.config.lr,
+            "tune_best_step": self.best_step,
+            "tune_train_tokens": self.config.steps * self.config.continuation,
+            "tune_heldout_nll_fitted": first["heldout_nll"],
+            "tune_heldout_nll": self.best["heldout_nll"],
+            "tune_heldout_accuracy_fitted": first["heldout_accuracy"],
+            "tune_heldout_accuracy": self.best["heldout_accuracy"],
+            "tune_seconds": round(self.seconds, 1),
+        }
+
+
+def tune_mapper(
+    mapper: KVMapper,
+    source: LoadedModel,
+    target: LoadedModel,
+    calibration=None,
+    config: TuneConfig = TuneConfig(),
+) -> tuple[KVMapper, TuneReport]:
+    """A copy of ``mapper`` tuned on the target's next-token loss over translated caches, and
+    the report. ``calibration``: text files/folders (default: the Python standard library's
+    sources, as the fit reads them). ``mapper`` itself is left as it was."""
+    check_models(mapper, source.spec, target.spec)
+    started = time.perf_counter()
+    training, heldout = tuning_windows(source.tokenizer, calibration, config)
+    scored = [(window, _source_cache(source, window, config)) for window in heldout]
+    trainable = _copy(mapper, trainable=True)
+    optimizer = torch.optim.Adam(_parameters(trainable), lr=config.lr)
+    report, best, losses = TuneReport(config), _copy(mapper), []
+    with _frozen(target.model):
+        report.curve.append(
+            {"step": 0, "train_nll": None, **_score(trainable, target, scored, config.prompt_len)}
+        )
+        for step in tqdm(range(1, config.steps + 1), desc="tuning", unit="step"):
+            window = next(training, None)
+            if window is None:
+                raise KVMapError(f"calibration text ran out of windows at step {step}")
+            cache = _source_cache(source, window, config)
+            loss, _ = continuation_loss(trainable, target, cache, window, config.prompt_len)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+            if step % config.eval_every == 0 or step == config.steps:
+                point = {"step": step, "train_nll": sum(losses) / len(losses)}
+                report.curve.append(
+                    {**point, **_score(trainable, target, scored, config.prompt_len)}
+                )
+                losses = []
+                if report.curve[-1]["heldout_nll"] < report.best["heldout_nll"]:
+                    report.best_step, best = step, _copy(trainable)
+    report.seconds = time.perf_counter() - started
+    best.info.setdefault("calibration", {})["tuning"] = asdict(config)  # the pack records both
+    best.info.setdefault("metrics", {}).update(report.summary())
+    return best, report
+
+
+def tuning_windows(tokenizer, calibration, config: TuneConfig):
+    """(an iterator of training windows, a list of held-out windows), each ``[prompt_len +
+    continuation]`` token ids, from the calibration's training and held-out files."""
+    length = config.prompt_len + config.continuation
+    train_files, heldout_files = calibration_files(calibration, config.heldout_every)
+
+    def windows(files):
+        return calibration_windows(tokenizer, files, length, 2**62, config.per_file_tokens)
+
+    heldout = [w for _, w in zip(range(config.heldout_windows), windows(heldout_files))]
+    if len(heldout) < config.heldout_windows:
+        raise KVMapError(
+            f"held-out calibration files give {len(heldout)} windows of {length} tokens, "
+            f"{config.heldout_windows} asked for: pass more text or shorter windows"
+        )
+    return windows(train_files), heldout
+
+
+def continuation_loss(
+    mapper: KVMapper,
+    target: LoadedModel,
+    source_cache: KVCache,
+    window: torch.Tensor,
+    prompt_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean cross-entropy, top-1 accuracy) of ``target`` on ``window[prompt_len:]`` after a
+    hand-off of ``window[:prompt_len]`` with no tail: the source's cache of the first
+    ``prompt_len - 1`` tokens (``source_cache``) translated, the target's own layer 0 and sink
+    tokens, the last prompt token and the continuation read by the target. Differentiable in
+    the mapper's weights. window: [prompt_len + C] token ids."""
+    split = handoff_split(prompt_len, 0)
+    translated = mapped_prefix(mapper, source_cache.slice(0, split), window[:split], target.model)
+    sinks = min(mapper.sink_tokens, split)
+    if sinks:
+        translated = translated.replace_front(capture_kv(target.model, window[:sinks]))
+    logits = logits_over(target.model, translated, window[split:])[:-1]
+    labels = window[prompt_len:]
+    return F.cross_entropy(logits, labels), (logits.argmax(-1) == labels).float().mean()
+
+
+def _source_cache(source: LoadedModel, window: torch.Tensor, config: TuneConfig) -> KVCache:
+    """The source's cache of the translated part of the window's prompt, as ordinary tensors
+    (``capture_kv`` returns inference tensors, which autograd may not save)."""
+    cache = capture_kv(source.model, window[: handoff_split(config.prompt_len, 0)])
+    return KVCache([k.clone() for k in cache.keys], [v.clone() for v in cache.values],
+                   cache.positions.clone())  # fmt: skip
+
+
+def _score(mapper: KVMapper, target: LoadedModel, scored: list, prompt_len: int) -> dict:
+    """Mean held-out NLL and accuracy over (window, source cache) pairs."""
+    with torch.no_grad():
+        results = [continuation_loss(mapper, target, c, w, prompt_len) for w, c in scored]
+    return {
+        "heldout_nll": sum(nll.item() for nll, _ in results) / len(results),
+        "heldout_accuracy": sum(acc.item() for _, acc in results) / len(results),
+    }
+
+
+def _copy(mapper: KVMapper, trainable: bool = False) -> KVMapper:
+    """A float32 copy of ``mapper`` with fresh weight tensors (requiring grad if ``trainable``)."""
+
+    def fresh(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach().float().clone().requires_grad_(trainable)
+
+    maps = {
+        kind: [LayerMap(fresh(m.weight), fresh(m.bias)) for m in mapper.maps[kind]]
+        for kind in KINDS
+    }
+    projections = (
+        None if mapper.projections is None else {k: fresh(p) for k, p in mapper.projections.items()}
+    )
+    return replace(mapper, maps=maps, projections=projections, info=copy.deepcopy(mapper.info))
+
+
+def _parameters(mapper: KVMapper) -> list[torch.Tensor]:
+    tensors = [t for kind in KINDS for m in mapper.maps[kind] for t in (m.weight, m.bias)]
+    return tensors + list((mapper.projections or {}).values())
+
+
+@contextlib.contextmanager
+def _frozen(model: torch.nn.Module):
+    """The model's own weights left out of autograd for the duration (restored after)."""
+    previous = [p.requires_grad for p in model.parameters()]
+    for p in model.parameters():
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p, flag in zip(model.parameters(), previous):
+            p.requires_grad_(flag)

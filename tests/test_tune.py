@@ -1,0 +1,104 @@
+"""Downstream tuning: the training loss is the evaluated hand-off's loss, and descending it helps."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from sgl_kvmap.capture import capture_kv
+from sgl_kvmap.errors import KVMapError
+from sgl_kvmap.evaluate import continuation_scores
+from sgl_kvmap.mapper import KVMapper
+from sgl_kvmap.transfer import handoff_split, translate_prefix
+from sgl_kvmap.tune import TuneConfig, continuation_loss, tune_mapper
+
+from .conftest import fit_tiny_mapper
+
+TINY = dict(prompt_len=48, continuation=16, eval_every=5, heldout_windows=2, heldout_every=3)
+
+
+@pytest.fixture(scope="module", params=[None, 16], ids=["k-layer", "rank-16"])
+def mapper(request, tiny_pair):
+    """Fitted mappers of both families, with two sink tokens."""
+    fitted = fit_tiny_mapper(*tiny_pair, rank=request.param)
+    return dataclasses.replace(fitted, sink_tokens=2)
+
+
+def test_training_loss_is_the_evaluated_handoff_loss(tiny_pair, mapper):
+    """continuation_loss emulates the hand-off with autograd on; it must score exactly what the
+    evaluation scores for a hand-off with no tail (sinks recomputed over the mapped cache)."""
+    source, target = tiny_pair
+    window = torch.randint(0, 100, (64,), generator=torch.Generator().manual_seed(3))
+    prompt_len = 48
+    split = handoff_split(prompt_len, 0)
+    cache = capture_kv(source.model, window[:split])
+    with torch.no_grad():
+        nll, accuracy = continuation_loss(mapper, target, cache, window, prompt_len)
+    translated = translate_prefix(mapper, cache, window[:split], target.model)
+    correct, nlls = continuation_scores(target.model, translated, window, prompt_len)
+    torch.testing.assert_close(nll, nlls.mean(), rtol=1e-4, atol=1e-5)
+    assert accuracy.item() == pytest.approx(correct.float().mean().item())
+
+
+def test_gradients_reach_the_map_and_not_the_target(tiny_pair, mapper):
+    source, target = tiny_pair
+    window = torch.randint(0, 100, (64,), generator=torch.Generator().manual_seed(4))
+    cache = capture_kv(source.model, window[:47])
+    trainable = tune_copy(mapper)
+    for p in target.model.parameters():
+        p.requires_grad_(False)
+    try:
+        loss, _ = continuation_loss(trainable, target, cache, window, 48)
+        loss.backward()
+    finally:
+        for p in target.model.parameters():
+            p.requires_grad_(True)
+    weights = [m.weight for m in trainable.maps["k"]] + [m.weight for m in trainable.maps["v"]]
+    # layer 0 is the target's own (exact), so its map gets no gradient; every other layer does
+    assert all(w.grad is None or w.grad.abs().sum() == 0 for w in weights[:1])
+    assert all(w.grad is not None and w.grad.abs().sum() > 0 for w in weights[1:4])
+    if trainable.projections is not None:
+        assert all(p.grad.abs().sum() > 0 for p in trainable.projections.values())
+    assert all(p.grad is None for p in target.model.parameters())
+
+
+def tune_copy(mapper: KVMapper) -> KVMapper:
+    from sgl_kvmap.tune import _copy
+
+    return _copy(mapper, trainable=True)
+
+
+def test_tuning_lowers_the_heldout_loss_and_keeps_the_map_servable(
+    tiny_pair, mapper, text_dir, tmp_path
+):
+    source, target = tiny_pair
+    before = {kind: [m.weight.clone() for m in mapper.maps[kind]] for kind in ("k", "v")}
+    config = TuneConfig(steps=15, lr=3e-3, **TINY)
+    tuned, report = tune_mapper(mapper, source, target, [text_dir / "calib"], config)
+    assert [p["step"] for p in report.curve] == [0, 5, 10, 15]
+    assert report.best_step > 0
+    assert report.best["heldout_nll"] < report.curve[0]["heldout_nll"] - 0.01
+    assert min(p["heldout_nll"] for p in report.curve) == report.best["heldout_nll"]
+    for kind in ("k", "v"):  # the fitted mapper is left as it was; the tuned one moved
+        assert all(torch.equal(w, m.weight) for w, m in zip(before[kind], mapper.maps[kind]))
+        assert any(not torch.equal(w, m.weight) for w, m in zip(before[kind], tuned.maps[kind]))
+        assert not any(m.weight.requires_grad for m in tuned.maps[kind])
+    assert tuned.info["metrics"]["tune_best_step"] == report.best_step
+    loaded = KVMapper.from_pretrained(tuned.save_pretrained(tmp_path / "pack"))
+    assert loaded.info["calibration"]["tuning"]["steps"] == 15
+    assert loaded.info["metrics"]["tune_heldout_nll"] == report.best["heldout_nll"]
+    window = torch.randint(0, 100, (40,))
+    cache = capture_kv(source.model, window)
+    expected, got = tuned.map(cache), loaded.map(cache)
+    for a, b in zip(expected.keys + expected.values, got.keys + got.values):
+        torch.testing.assert_close(a, b)
+
+
+def test_tuning_refuses_bad_settings_and_too_little_text(tiny_pair, mapper, text_dir):
+    with pytest.raises(KVMapError, match="lr"):
+        TuneConfig(lr=0)
+    with pytest.raises(KVMapError, match="steps"):
+        TuneConfig(steps=0)
+    config = TuneConfig(steps=1, **{**TINY, "heldout_windows": 10_000})
+    with pytest.raises(KVMapError, match="held-out calibration files give"):
+        tune_mapper(mapper, *tiny_pair, [text_dir / "calib"], config)
