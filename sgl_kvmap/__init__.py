@@ -13,7 +13,8 @@ from .errors import KVMapError, PackError, PairMismatchError
 from .evaluate import EvalReport, evaluate
 from .mapper import KVMapper
 from .spec import ModelSpec, spec_from_pretrained
-from .transfer import handoff, translate_prefix
+from .transfer import Repair, handoff, translate_prefix
+from .tune import TuneConfig, TuneReport, tune_mapper
 
 __all__ = [
     "CalibrationConfig",
@@ -26,6 +27,9 @@ __all__ = [
     "ModelSpec",
     "PackError",
     "PairMismatchError",
+    "Repair",
+    "TuneConfig",
+    "TuneReport",
     "capture_kv",
     "evaluate",
     "fit_mapper",
@@ -33,4 +37,5 @@ __all__ = [
     "load_model",
     "spec_from_pretrained",
     "translate_prefix",
+    "tune_mapper",
 ]

@@ -17,6 +17,7 @@ PACK_RANK = "auto"  # reduced-rank maps beat k-layer maps at that budget (README
 DEMO_ANCHORS, DEMO_DRAFT = 112, 8  # the repaired hand-off the demo reports (README: fidelity)
 DEMO_RANK = "auto"  # at the demo's 16k tokens too (README: fidelity)
 PACK_TUNE_STEPS = 0  # downstream tuning steps after the fit (README: fidelity)
+DEMO_TUNE_STEPS = 0
 
 
 def _rank(value: str | None) -> int | str | None:
@@ -392,9 +393,16 @@ def inspect(pack) -> None:
     show_default=True,
     help="Reduced rank of both maps: N, 'auto' or 'none' (k selected source layers).",
 )
+@click.option(
+    "--tune-steps",
+    default=DEMO_TUNE_STEPS,
+    show_default=True,
+    help="Downstream tuning steps after each fit (`sgl-kvmap tune`; 0: none).",
+)
 def demo(
-    tokens, windows, prefix_len, continuation, tail, bench_tokens, out, anchors, draft, rank
-) -> None:
+    tokens, windows, prefix_len, continuation, tail, bench_tokens, out, anchors, draft, rank,
+    tune_steps,
+) -> None:  # fmt: skip
     """The whole job on the embedded Qwen2.5-Coder 0.5B/1.5B pair.
 
     Fetch and convert the pair once, fit both directions, evaluate, time, print one table.
@@ -413,6 +421,7 @@ def demo(
             bench_tokens=bench_tokens,
             repair=Repair(anchors, draft) if anchors else None,
             rank=_rank(rank),
+            tune_steps=tune_steps,
         )
     )
 

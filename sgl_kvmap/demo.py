@@ -20,6 +20,7 @@ from .evaluate import EvalRuns, evaluate
 from .texts import default_eval_files, eval_windows, prompt_of_length
 from .timing import measure_speed
 from .transfer import Repair
+from .tune import TuneConfig, tune_mapper
 
 
 def run_demo(
@@ -32,9 +33,11 @@ def run_demo(
     bench_tokens: int,
     repair: Repair | None = None,
     rank: int | str | None = None,
+    tune_steps: int = 0,
 ) -> str:
     """Run the whole job and return the summary table (also saved under ``out``). rank: the
-    reduced rank of both maps (CalibrationConfig.rank; None: k selected source layers)."""
+    reduced rank of both maps (CalibrationConfig.rank; None: k selected source layers);
+    tune_steps: downstream tuning steps after each fit (``tune.tune_mapper``; 0: none)."""
     small = load_model(str(ensure_model(SMALL)))
     large = load_model(str(ensure_model(LARGE)))
     fits = fit_mapper(
@@ -50,6 +53,9 @@ def run_demo(
     for (mapper, fit_report), (source, target), name in zip(
         fits, [(small, large), (large, small)], ("0.5B->1.5B", "1.5B->0.5B")
     ):
+        tuning = None
+        if tune_steps:
+            mapper, tuning = tune_mapper(mapper, source, target, None, TuneConfig(tune_steps))
         report = evaluate(
             mapper, source, target, eval_ids, prefix_len, continuation, tail, runs, repair
         )
@@ -67,6 +73,7 @@ def run_demo(
         mapper.save_pretrained(Path(out) / name.replace(">", "").replace("-", "_to_"))
         results[name] = {
             "fit": {**fit_report.summary(), "process_peak_rss_gib": round(fit_peak_gib, 2)},
+            "tuning": tuning and {**tuning.summary(), "curve": tuning.curve},
             "fit_per_k": fit_report.per_k,
             "eval": report.to_dict(),
             "speed": speed.to_dict(),

@@ -1,4 +1,4 @@
-"""Downstream tuning: the training loss is the evaluated hand-off's loss, and descending it helps."""
+"""Downstream tuning: its loss is the evaluated hand-off's loss, and descending it helps."""
 
 import dataclasses
 
