@@ -217,7 +217,12 @@ def fit(
     "splits them. Default: Python stdlib sources.",
 )
 @click.option("--steps", default=TuneConfig.steps, show_default=True, help="Gradient steps.")
-@click.option("--lr", default=TuneConfig.lr, show_default=True, help="Adam learning rate.")
+@click.option(
+    "--lr",
+    default=TuneConfig.lr,
+    show_default=True,
+    help="Relative Adam learning rate (each weight tensor's step: this x its RMS).",
+)
 @click.option(
     "--prompt-len",
     default=TuneConfig.prompt_len,

@@ -39,13 +39,16 @@ from .transfer import handoff_split, mapped_prefix
 class TuneConfig:
     """How to tune. Each step reads one window of ``prompt_len + continuation`` calibration
     tokens (training files only): the prompt is translated, the loss is the target's mean
-    cross-entropy on the ``continuation`` tokens after it. Adam with learning rate ``lr``.
+    cross-entropy on the ``continuation`` tokens after it. Adam with a relative learning rate:
+    each tensor's step size is ``lr`` x its RMS before tuning (a reduced-rank map's per-layer
+    weights are ~10x smaller than a k-layer map's, and its biases of K ~100x larger: one
+    absolute rate cannot suit them all; absolute 1e-5 wrecked a rank-1,024 map in 15 steps).
     Every ``eval_every`` steps (and at the end) the map is scored on ``heldout_windows``
     windows from the held-out files (every ``heldout_every``-th file, as the fit splits them).
     """
 
     steps: int = 60
-    lr: float = 1e-5
+    lr: float = 1e-4
     prompt_len: int = 1024
     continuation: int = 128
     eval_every: int = 15
@@ -106,7 +109,7 @@ def tune_mapper(
     training, heldout = tuning_windows(source.tokenizer, calibration, config)
     scored = [(window, _source_cache(source, window, config)) for window in heldout]
     trainable = _copy(mapper, trainable=True)
-    optimizer = torch.optim.Adam(_parameters(trainable), lr=config.lr)
+    optimizer = torch.optim.Adam(_relative_groups(_parameters(trainable), config.lr))
     report, best, losses = TuneReport(config), _copy(mapper), []
     with _frozen(target.model):
         report.curve.append(
@@ -213,6 +216,14 @@ def _copy(mapper: KVMapper, trainable: bool = False) -> KVMapper:
 def _parameters(mapper: KVMapper) -> list[torch.Tensor]:
     tensors = [t for kind in KINDS for m in mapper.maps[kind] for t in (m.weight, m.bias)]
     return tensors + list((mapper.projections or {}).values())
+
+
+def _relative_groups(tensors: list[torch.Tensor], lr: float) -> list[dict]:
+    """One Adam parameter group per tensor, its learning rate ``lr`` x the tensor's RMS."""
+    return [
+        {"params": [t], "lr": lr * max(t.detach().pow(2).mean().sqrt().item(), 1e-12)}
+        for t in tensors
+    ]
 
 
 @contextlib.contextmanager

@@ -129,7 +129,7 @@ def test_top_k_with_a_rank_is_a_usage_error(model_dirs, tmp_path):
 def test_tune_writes_a_tuned_pack_and_its_curve(fitted_pack, text_dir, tmp_path):
     args = ["tune", str(fitted_pack[0]), "--out", str(tmp_path / "t"), "--calibration",
             str(text_dir / "calib"), "--steps", "4", "--eval-every", "2", "--prompt-len", "48",
-            "--continuation", "16", "--lr", "1e-3"]  # fmt: skip
+            "--continuation", "16", "--lr", "1e-2"]  # fmt: skip
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout[: result.stdout.rindex("}") + 1])

@@ -110,7 +110,7 @@ def test_tuning_the_real_map_lowers_its_loss_on_unseen_text(fitted, reports, pai
     """A few steps of downstream tuning (calibration text only) must carry over to the
     evaluation text, which no step or held-out score saw."""
     mapper, _ = fitted[0]
-    config = TuneConfig(steps=8, prompt_len=PREFIX, continuation=64, eval_every=4,
+    config = TuneConfig(steps=8, lr=3e-4, prompt_len=PREFIX, continuation=64, eval_every=4,
                         heldout_windows=2)  # fmt: skip
     tuned, tuning = tune_mapper(mapper, *pair, None, config)
     gain = tuning.curve[0]["heldout_nll"] - tuning.best["heldout_nll"]
@@ -180,6 +180,6 @@ FLOORS = {  # [0.5B->1.5B, 1.5B->0.5B]
     "rank_r2_k": 0.38,
     "rank_r2_v": 0.06,
     "rank_nll_under_k2": 0.15,
-    "tune_heldout_nll_gain": 0.03,
-    "tune_eval_nll_gain": 0.03,
+    "tune_heldout_nll_gain": 0.02,  # measured 0.048 (1.396 -> 1.349, 2 windows of 512 + 64)
+    "tune_eval_nll_gain": 0.03,  # measured 0.072 (2.456 -> 2.383; target 1.020, source 1.329)
 }

@@ -73,7 +73,7 @@ def test_tuning_lowers_the_heldout_loss_and_keeps_the_map_servable(
 ):
     source, target = tiny_pair
     before = {kind: [m.weight.clone() for m in mapper.maps[kind]] for kind in ("k", "v")}
-    config = TuneConfig(steps=15, lr=3e-3, **TINY)
+    config = TuneConfig(steps=15, lr=3e-2, **TINY)
     tuned, report = tune_mapper(mapper, source, target, [text_dir / "calib"], config)
     assert [p["step"] for p in report.curve] == [0, 5, 10, 15]
     assert report.best_step > 0
