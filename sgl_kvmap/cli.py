@@ -192,7 +192,7 @@ def fit(
     ((mapper, report),) = fit_mapper(*models, texts, config)
     summary = report.summary()
     if tune_steps:
-        from .tune import TuneConfig, tune_mapper
+        from .tune import tune_mapper
 
         mapper, tuning = tune_mapper(mapper, *models, texts, TuneConfig(steps=tune_steps))
         summary.update(tuning.summary())

@@ -10,7 +10,7 @@ from sgl_kvmap.errors import KVMapError
 from sgl_kvmap.evaluate import continuation_scores
 from sgl_kvmap.mapper import KVMapper
 from sgl_kvmap.transfer import handoff_split, translate_prefix
-from sgl_kvmap.tune import TuneConfig, continuation_loss, tune_mapper
+from sgl_kvmap.tune import TuneConfig, _copy, _frozen, continuation_loss, tune_mapper
 
 from .conftest import fit_tiny_mapper
 
@@ -44,28 +44,19 @@ def test_gradients_reach_the_map_and_not_the_target(tiny_pair, mapper):
     source, target = tiny_pair
     window = torch.randint(0, 100, (64,), generator=torch.Generator().manual_seed(4))
     cache = capture_kv(source.model, window[:47])
-    trainable = tune_copy(mapper)
-    for p in target.model.parameters():
-        p.requires_grad_(False)
-    try:
+    trainable = _copy(mapper, trainable=True)
+    with _frozen(target.model):
         loss, _ = continuation_loss(trainable, target, cache, window, 48)
         loss.backward()
-    finally:
-        for p in target.model.parameters():
-            p.requires_grad_(True)
-    weights = [m.weight for m in trainable.maps["k"]] + [m.weight for m in trainable.maps["v"]]
     # layer 0 is the target's own (exact), so its map gets no gradient; every other layer does
-    assert all(w.grad is None or w.grad.abs().sum() == 0 for w in weights[:1])
-    assert all(w.grad is not None and w.grad.abs().sum() > 0 for w in weights[1:4])
+    for kind in ("k", "v"):
+        first, *rest = [m.weight for m in trainable.maps[kind]]
+        assert first.grad is None or first.grad.abs().sum() == 0
+        assert all(w.grad is not None and w.grad.abs().sum() > 0 for w in rest)
     if trainable.projections is not None:
         assert all(p.grad.abs().sum() > 0 for p in trainable.projections.values())
     assert all(p.grad is None for p in target.model.parameters())
-
-
-def tune_copy(mapper: KVMapper) -> KVMapper:
-    from sgl_kvmap.tune import _copy
-
-    return _copy(mapper, trainable=True)
+    assert all(p.requires_grad for p in target.model.parameters())  # restored after
 
 
 def test_tuning_lowers_the_heldout_loss_and_keeps_the_map_servable(
