@@ -80,10 +80,12 @@ CONFIGS.update({f"128k-rank-{r}": replace(CAL_128K, rank=r) for r in (512, 768, 
 CONFIGS["16k-rank-auto"] = replace(BASE, rank="auto")
 CONFIGS["128k-k-16"] = replace(CAL_128K, top_k=16)
 # downstream tuning (``tune.tune_mapper``) after a configuration's fit: name -> (fit, tuning)
+# ("-kl": on the KL divergence from the target's own predictions instead of the NLL)
 TUNED = {
-    f"{fitted}-tune-{steps}": (fitted, TuneConfig(steps=steps))
+    f"{fitted}-tune{suffix}-{steps}": (fitted, TuneConfig(steps=steps, objective=objective))
     for fitted in ("128k-rank-auto", "128k-k-16", "16k-rank-auto")
     for steps in (60, 120, 240)
+    for suffix, objective in (("", "nll"), ("-kl", "kl"))
 }
 CONFIGS.update({name: CONFIGS[fitted] for name, (fitted, _) in TUNED.items()})
 HELDOUT_SPLIT = "every 8th file"
@@ -372,7 +374,7 @@ def _tuned(r: dict) -> str:
         return "-"
     t = r["tuning"]
     return (
-        f"{t['tune_best_step']} of {t['tune_steps']}, {t['tune_heldout_nll_fitted']:.3f} -> "
+        f"{t.get('tune_objective', 'nll')}, {t['tune_best_step']} of {t['tune_steps']}, {t['tune_heldout_nll_fitted']:.3f} -> "
         f"{t['tune_heldout_nll']:.3f}, {t['tune_seconds']:.0f}"
     )
 

@@ -10,7 +10,7 @@ import click
 from click.core import ParameterSource
 
 from .calibrate import AUTO_K, CalibrationConfig
-from .tune import TuneConfig
+from .tune import OBJECTIVES, TuneConfig
 
 PACK_TOKENS = 131072  # `fit` builds packs to publish: the calibration budget that won on the pair
 PACK_RANK = "auto"  # reduced-rank maps beat k-layer maps at that budget (README: fidelity)
@@ -241,11 +241,19 @@ def fit(
     show_default=True,
     help="Score held-out windows every N steps; the best weights are kept.",
 )
+@click.option(
+    "--objective",
+    type=click.Choice(OBJECTIVES),
+    default=TuneConfig.objective,
+    show_default=True,
+    help="nll: cross-entropy on the true next tokens; kl: KL divergence from the target's own "
+    "next-token distribution (one more target forward per step).",
+)
 @click.option("--source", "source_path", default=None, help="Default: the pack's source.")
 @click.option("--target", "target_path", default=None, help="Default: the pack's target.")
 def tune(
-    pack, out, calibration, steps, lr, prompt_len, continuation, eval_every, source_path,
-    target_path,
+    pack, out, calibration, steps, lr, prompt_len, continuation, eval_every, objective,
+    source_path, target_path,
 ) -> None:  # fmt: skip
     """Tune a pack's map on the target's next-token loss over translated caches, save a pack.
 
@@ -262,7 +270,7 @@ def tune(
     target = load_model(target_path or mapper.target.model_id)
     config = TuneConfig(
         steps=steps, lr=lr, prompt_len=prompt_len, continuation=continuation,
-        eval_every=eval_every,
+        eval_every=eval_every, objective=objective,
     )  # fmt: skip
     tuned, report = tune_mapper(mapper, source, target, list(calibration) or None, config)
     tuned.save_pretrained(out)

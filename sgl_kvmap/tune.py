@@ -6,9 +6,13 @@ cares about the entries its later tokens read, and about how errors there move i
 of calibration text, the source's cache of a prompt is translated exactly as a hand-off does it
 (the target's own layer 0 and sink tokens, the rest mapped), the frozen target reads the
 continuation over it, and its cross-entropy on the true next tokens is back-propagated into the
-map's weights (and a reduced-rank map's projections). Held-out windows from the calibration's
-held-out files score the map every ``eval_every`` steps, and the best-scoring weights are kept
-(the fitted ones included), so tuning never returns a map that is worse on held-out text.
+map's weights (and a reduced-rank map's projections). With ``objective="kl"`` the loss is the
+KL divergence from the target's own next-token distribution (its own cache of the prompt, one
+extra no-grad forward per step) instead: a whole distribution per token rather than one label,
+and the quantity retention measures, the target behaving as it would have. Held-out windows
+from the calibration's held-out files score the map every ``eval_every`` steps, and the
+best-scoring weights are kept (the fitted ones included), so tuning never returns a map that
+is worse on held-out text.
 
 The map stays linear and its shapes do not change: a tuned mapper is saved, loaded, translated
 by the kernels and served by the SGLang extension exactly like a fitted one.
@@ -26,7 +30,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from .calibrate import calibration_files
-from .capture import KVCache, LoadedModel, capture_kv, logits_over
+from .capture import KVCache, LoadedModel, capture_kv, logits_over, run
 from .errors import KVMapError
 from .fit import KINDS, LayerMap
 from .mapper import KVMapper
@@ -34,15 +38,20 @@ from .pack import check_models
 from .texts import calibration_windows
 from .transfer import handoff_split, mapped_prefix
 
+OBJECTIVES = ("nll", "kl")
+
 
 @dataclass(frozen=True)
 class TuneConfig:
     """How to tune. Each step reads one window of ``prompt_len + continuation`` calibration
     tokens (training files only): the prompt is translated, the loss is the target's mean
-    cross-entropy on the ``continuation`` tokens after it. Adam with a relative learning rate:
-    each tensor's step size is ``lr`` x its RMS before tuning (a reduced-rank map's per-layer
-    weights are ~10x smaller than a k-layer map's, and its biases of K ~100x larger: one
-    absolute rate cannot suit them all; absolute 1e-5 wrecked a rank-1,024 map in 15 steps).
+    cross-entropy on the ``continuation`` tokens after it (``objective="nll"``) or the mean
+    KL divergence of its next-token distribution there from the one it has on its own cache of
+    the prompt (``"kl"``). Held-out windows always score the NLL on the true tokens.
+    Adam with a relative learning rate: each tensor's step size is ``lr`` x its RMS before
+    tuning (a reduced-rank map's per-layer weights are ~10x smaller than a k-layer map's, and
+    its biases of K ~100x larger: one absolute rate cannot suit them all; absolute 1e-5 wrecked
+    a rank-1,024 map in 15 steps).
     Every ``eval_every`` steps (and at the end) the map is scored on ``heldout_windows``
     windows from the held-out files (every ``heldout_every``-th file, as the fit splits them).
     """
@@ -55,8 +64,11 @@ class TuneConfig:
     heldout_windows: int = 6
     heldout_every: int = 8
     per_file_tokens: int = 4096
+    objective: str = "nll"
 
     def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise KVMapError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
         if self.steps < 1 or self.eval_every < 1 or self.heldout_windows < 1:
             raise KVMapError(f"need steps, eval_every and heldout_windows >= 1, got {self}")
         if self.lr <= 0 or self.prompt_len < 2 or self.continuation < 1:
@@ -65,9 +77,11 @@ class TuneConfig:
 
 @dataclass
 class TuneReport:
-    """What tuning measured. curve: one entry per held-out scoring, {step, train_nll (mean over
-    the steps since the previous entry; None at step 0), heldout_nll, heldout_accuracy};
-    best_step: the step whose weights were kept (0: the fitted map was best)."""
+    """What tuning measured. curve: one entry per held-out scoring, {step, train_loss (the mean
+    training loss over the steps since the previous entry, the KL divergence for objective
+    "kl"; None at step 0), heldout_nll, heldout_accuracy, and heldout_kl for "kl"};
+    best_step: the step whose weights were kept, the lowest held-out objective (0: the fitted
+    map was best)."""
 
     config: TuneConfig
     curve: list[dict] = field(default_factory=list)
@@ -84,6 +98,7 @@ class TuneReport:
         return {
             "tune_steps": self.config.steps,
             "tune_lr": self.config.lr,
+            "tune_objective": self.config.objective,
             "tune_best_step": self.best_step,
             "tune_train_tokens": self.config.steps * self.config.continuation,
             "tune_heldout_nll_fitted": first["heldout_nll"],
@@ -91,6 +106,14 @@ class TuneReport:
             "tune_heldout_accuracy_fitted": first["heldout_accuracy"],
             "tune_heldout_accuracy": self.best["heldout_accuracy"],
             "tune_seconds": round(self.seconds, 1),
+            **(
+                {
+                    "tune_heldout_kl_fitted": first["heldout_kl"],
+                    "tune_heldout_kl": self.best["heldout_kl"],
+                }
+                if "heldout_kl" in first
+                else {}
+            ),
         }
 
 
@@ -107,31 +130,35 @@ def tune_mapper(
     check_models(mapper, source.spec, target.spec)
     started = time.perf_counter()
     training, heldout = tuning_windows(source.tokenizer, calibration, config)
-    scored = [(window, _source_cache(source, window, config)) for window in heldout]
+    scored = [(w, _source_cache(source, w, config), _teacher(target, w, config)) for w in heldout]
+    guard = f"heldout_{config.objective}"  # the best weights: the lowest held-out objective
     trainable = _copy(mapper, trainable=True)
     optimizer = torch.optim.Adam(_relative_groups(_parameters(trainable), config.lr))
     report, best, losses = TuneReport(config), _copy(mapper), []
     with _frozen(target.model):
         report.curve.append(
-            {"step": 0, "train_nll": None, **_score(trainable, target, scored, config.prompt_len)}
+            {"step": 0, "train_loss": None, **_score(trainable, target, scored, config.prompt_len)}
         )
         for step in tqdm(range(1, config.steps + 1), desc="tuning", unit="step"):
             window = next(training, None)
             if window is None:
                 raise KVMapError(f"calibration text ran out of windows at step {step}")
             cache = _source_cache(source, window, config)
-            loss, _ = continuation_loss(trainable, target, cache, window, config.prompt_len)
+            teacher = _teacher(target, window, config)
+            loss, _ = continuation_loss(
+                trainable, target, cache, window, config.prompt_len, teacher
+            )
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
             losses.append(loss.item())
             if step % config.eval_every == 0 or step == config.steps:
-                point = {"step": step, "train_nll": sum(losses) / len(losses)}
+                point = {"step": step, "train_loss": sum(losses) / len(losses)}
                 report.curve.append(
                     {**point, **_score(trainable, target, scored, config.prompt_len)}
                 )
                 losses = []
-                if report.curve[-1]["heldout_nll"] < report.best["heldout_nll"]:
+                if report.curve[-1][guard] < report.best[guard]:
                     report.best_step, best = step, _copy(trainable)
     report.seconds = time.perf_counter() - started
     best.info.setdefault("calibration", {})["tuning"] = asdict(config)  # the pack records both
@@ -163,12 +190,15 @@ def continuation_loss(
     source_cache: KVCache,
     window: torch.Tensor,
     prompt_len: int,
+    teacher: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean cross-entropy, top-1 accuracy) of ``target`` on ``window[prompt_len:]`` after a
-    hand-off of ``window[:prompt_len]`` with no tail: the source's cache of the first
-    ``prompt_len - 1`` tokens (``source_cache``) translated, the target's own layer 0 and sink
-    tokens, the last prompt token and the continuation read by the target. Differentiable in
-    the mapper's weights. window: [prompt_len + C] token ids."""
+    """(loss, top-1 accuracy) of ``target`` on ``window[prompt_len:]`` after a hand-off of
+    ``window[:prompt_len]`` with no tail: the source's cache of the first ``prompt_len - 1``
+    tokens (``source_cache``) translated, the target's own layer 0 and sink tokens, the last
+    prompt token and the continuation read by the target. The loss is the mean cross-entropy on
+    the true tokens, or with ``teacher`` ([C, vocab] log-probabilities, ``own_log_probs``) the
+    mean KL divergence KL(teacher || target on the translated cache) per token.
+    Differentiable in the mapper's weights. window: [prompt_len + C] token ids."""
     split = handoff_split(prompt_len, 0)
     translated = mapped_prefix(mapper, source_cache.slice(0, split), window[:split], target.model)
     sinks = min(mapper.sink_tokens, split)
@@ -176,7 +206,28 @@ def continuation_loss(
         translated = translated.replace_front(capture_kv(target.model, window[:sinks]))
     logits = logits_over(target.model, translated, window[split:])[:-1]
     labels = window[prompt_len:]
-    return F.cross_entropy(logits, labels), (logits.argmax(-1) == labels).float().mean()
+    accuracy = (logits.argmax(-1) == labels).float().mean()
+    if teacher is None:
+        return F.cross_entropy(logits, labels), accuracy
+    student = F.log_softmax(logits, dim=-1)
+    return F.kl_div(student, teacher, reduction="batchmean", log_target=True), accuracy
+
+
+def own_log_probs(target: LoadedModel, window: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """[C, vocab] log-probabilities of ``target``'s next-token predictions for
+    ``window[prompt_len:]`` over its own cache of the prompt: the teacher of ``objective="kl"``.
+    window: [prompt_len + C] token ids."""
+    split = handoff_split(prompt_len, 0)
+    with torch.no_grad():
+        cache = capture_kv(target.model, window[:split])
+        keep = window.numel() - prompt_len + 1
+        logits = run(target.model, window[split:], past=cache, logits_to_keep=keep).logits
+    return F.log_softmax(logits[:-1], dim=-1)
+
+
+def _teacher(target: LoadedModel, window: torch.Tensor, config: TuneConfig):
+    """The window's teacher for the configured objective: ``own_log_probs`` for "kl", else None."""
+    return own_log_probs(target, window, config.prompt_len) if config.objective == "kl" else None
 
 
 def _source_cache(source: LoadedModel, window: torch.Tensor, config: TuneConfig) -> KVCache:
@@ -188,13 +239,21 @@ def _source_cache(source: LoadedModel, window: torch.Tensor, config: TuneConfig)
 
 
 def _score(mapper: KVMapper, target: LoadedModel, scored: list, prompt_len: int) -> dict:
-    """Mean held-out NLL and accuracy over (window, source cache) pairs."""
+    """Mean held-out NLL and accuracy over (window, source cache, teacher) triples, and the mean
+    KL divergence from the teachers where they are given (objective "kl")."""
     with torch.no_grad():
-        results = [continuation_loss(mapper, target, c, w, prompt_len) for w, c in scored]
-    return {
+        results = [continuation_loss(mapper, target, c, w, prompt_len) for w, c, _ in scored]
+        teachers = [(w, c, t) for w, c, t in scored if t is not None]
+        divergences = [
+            continuation_loss(mapper, target, c, w, prompt_len, t)[0] for w, c, t in teachers
+        ]
+    score = {
         "heldout_nll": sum(nll.item() for nll, _ in results) / len(results),
         "heldout_accuracy": sum(acc.item() for _, acc in results) / len(results),
     }
+    if divergences:
+        score["heldout_kl"] = sum(kl.item() for kl in divergences) / len(divergences)
+    return score
 
 
 def _copy(mapper: KVMapper, trainable: bool = False) -> KVMapper:
