@@ -374,8 +374,9 @@ def _tuned(r: dict) -> str:
         return "-"
     t = r["tuning"]
     return (
-        f"{t.get('tune_objective', 'nll')}, {t['tune_best_step']} of {t['tune_steps']}, {t['tune_heldout_nll_fitted']:.3f} -> "
-        f"{t['tune_heldout_nll']:.3f}, {t['tune_seconds']:.0f}"
+        f"{t.get('tune_objective', 'nll')}, {t['tune_best_step']} of {t['tune_steps']}, "
+        f"{t['tune_heldout_nll_fitted']:.3f} -> {t['tune_heldout_nll']:.3f}, "
+        f"{t['tune_seconds']:.0f}"
     )
 
 
