@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import click
@@ -38,7 +38,7 @@ from sgl_kvmap.calibrate import (
 from sgl_kvmap.capture import load_model
 from sgl_kvmap.default_pair import LARGE, SMALL, cache_root, ensure_model
 from sgl_kvmap.evaluate import EvalRuns, evaluate
-from sgl_kvmap.texts import default_eval_files, eval_windows, prompt_of_length
+from sgl_kvmap.texts import default_eval_files, eval_sources, prompt_of_length
 from sgl_kvmap.timing import measure_speed
 from sgl_kvmap.transfer import Repair
 from sgl_kvmap.tune import TuneConfig, tune_mapper
@@ -131,9 +131,10 @@ def main(
 ):
     tails = sorted({0, main_tail, *map(int, tails.split(","))})
     small, large = load_model(str(ensure_model(SMALL))), load_model(str(ensure_model(LARGE)))
-    eval_ids = eval_windows(
+    sources = eval_sources(
         large.tokenizer, default_eval_files(), prefix_len + continuation, windows
     )
+    eval_ids = [window for _, window in sources]
     runs = EvalRuns(eval_ids, prefix_len, continuation)
     prompt = prompt_of_length(large.tokenizer, speed_tokens)
     prefill_seconds: dict[str, float] = {}
@@ -194,6 +195,10 @@ def main(
             )  # fmt: skip
             if tuning is not None:
                 row["tuning"] = {**tuning.summary(), "curve": tuning.curve}
+            row["by_window"] = [
+                {"file": f"{path.parent.name}/{path.name}", **{n: asdict(q) for n, q in w.items()}}
+                for (path, _), w in zip(sources, reports[main_tail].by_window)
+            ]
             _record(row)
             _write_table()
             _plot()

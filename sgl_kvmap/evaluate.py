@@ -50,6 +50,8 @@ class EvalReport:
     extra: dict = field(default_factory=dict)
     repaired: Quality | None = None
     repair: str | None = None
+    by_window: list[dict[str, Quality]] = field(default_factory=list)
+    """Per window (in order), each condition's Quality: which texts the map fails on."""
 
     @property
     def retention(self) -> float | None:
@@ -176,11 +178,18 @@ class _Accumulator:
     sst: dict = field(default_factory=dict)
     cosine: torch.Tensor | None = None
     windows: int = 0
+    by_window: list = field(default_factory=list)
 
     def add_scores(self, name: str, scores: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Add one condition's scores on the current window (number ``self.windows``)."""
         correct, nll = scores
         self.correct[name] = self.correct.get(name, 0) + correct.sum().item()
         self.nll[name] = self.nll.get(name, 0.0) + nll.sum().item()
+        if len(self.by_window) == self.windows:
+            self.by_window.append({})
+        self.by_window[self.windows][name] = Quality(
+            correct.float().mean().item(), nll.mean().item()
+        )
 
     def quality(self, name: str) -> Quality:
         return Quality(self.correct[name] / self.count, self.nll[name] / self.count)
@@ -272,6 +281,7 @@ def evaluate(
         sink_tokens=mapper.sink_tokens,
         repaired=acc.quality("repaired") if repair else None,
         repair=None if repair is None else f"{tail}-token tail + {repair}",
+        by_window=acc.by_window,
     )  # fmt: skip
 
 

@@ -85,18 +85,25 @@ def prompt_of_length(tokenizer, tokens: int) -> torch.Tensor:
 
 def eval_windows(tokenizer, files: list[Path], length: int, count: int) -> list[torch.Tensor]:
     """Up to ``count`` windows ``[length]``: the opening tokens of distinct long-enough files."""
-    windows = []
+    return [window for _, window in eval_sources(tokenizer, files, length, count)]
+
+
+def eval_sources(
+    tokenizer, files: list[Path], length: int, count: int
+) -> list[tuple[Path, torch.Tensor]]:
+    """``eval_windows`` with the file each window opens: (path, window ``[length]``) pairs."""
+    sources = []
     for path in shuffled(files, seed="sgl-kvmap-eval"):
         ids = _tokens(tokenizer, path)
         if len(ids) >= length:
-            windows.append(torch.tensor(ids[:length]))
-        if len(windows) == count:
+            sources.append((path, torch.tensor(ids[:length])))
+        if len(sources) == count:
             break
-    if not windows:
+    if not sources:
         raise KVMapError(
             f"no evaluation file has {length} tokens; pass longer texts or a shorter prefix"
         )
-    return windows
+    return sources
 
 
 def _tokens(tokenizer, path: Path) -> list[int]:

@@ -84,6 +84,20 @@ def test_evaluation_baselines_match_direct_runs(tiny_pair, text_dir):
     assert "target, translated + 8-token tail" in report.table()
 
 
+def test_per_window_scores_average_to_the_report(tiny_pair, text_dir):
+    source, target = tiny_pair
+    ((mapper, _),) = fit_mapper(source, target, [text_dir / "calib"], CalibrationConfig(**SMALL))
+    windows = eval_windows(target.tokenizer, expand_paths([text_dir / "eval"]), 80, 3)
+    report = evaluate(mapper, source, target, windows, prefix_len=48, continuation=32, tail=8)
+    assert len(report.by_window) == len(windows) == 3
+    for name in ("reference", "mapped", "mapped_tail", "source", "no_prefix"):
+        per_window = [w[name] for w in report.by_window]
+        overall = getattr(report, name)
+        assert overall.nll == pytest.approx(sum(q.nll for q in per_window) / 3, rel=1e-5)
+        assert overall.accuracy == pytest.approx(sum(q.accuracy for q in per_window) / 3)
+    assert len({w["mapped"].nll for w in report.by_window}) == 3  # not one figure copied
+
+
 def test_shared_runs_give_the_same_report_and_refuse_other_windows(tiny_pair, text_dir):
     from sgl_kvmap.evaluate import EvalRuns
 
