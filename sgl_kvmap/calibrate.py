@@ -166,6 +166,21 @@ class PairStatistics:
                 self.heldout[kind] = Moments.empty(shift_x, shift_y)
             (self.heldout if held_out else self.train)[kind].update(x[kind], y[kind], weight)
 
+    def merged(self, other: PairStatistics) -> PairStatistics:
+        """Statistics of both samples (e.g. two corpora captured apart), training with training
+        and held-out with held-out; the fit on them is the fit on one pass over both."""
+        if (self.source, self.target) != (other.source, other.target):
+            raise KVMapError("cannot merge statistics of different model pairs")
+        if not other.train:
+            return self
+        if not self.train:
+            return other
+        return PairStatistics(
+            self.source, self.target,
+            {kind: self.train[kind].merged(other.train[kind]) for kind in KINDS},
+            {kind: self.heldout[kind].merged(other.heldout[kind]) for kind in KINDS},
+        )  # fmt: skip
+
 
 @dataclass
 class CalibrationState:
@@ -181,6 +196,19 @@ class CalibrationState:
     windows: int = 0
     capture_seconds: float = 0.0
     attention_power: float = 0.0
+
+    def merged(self, other: CalibrationState) -> CalibrationState:
+        """Both states' statistics in one (same directions and token weighting); its windows
+        and capture time are the sums. A merged state is fitted, not grown further."""
+        if self.attention_power != other.attention_power:
+            raise KVMapError("cannot merge statistics of different token weightings")
+        if (self.reverse is None) != (other.reverse is None):
+            raise KVMapError("cannot merge statistics of one direction with both directions'")
+        reverse = None if self.reverse is None else self.reverse.merged(other.reverse)
+        return CalibrationState(
+            self.forward.merged(other.forward), reverse, self.windows + other.windows,
+            self.capture_seconds + other.capture_seconds, self.attention_power,
+        )  # fmt: skip
 
     @classmethod
     def empty(

@@ -4,7 +4,9 @@
 sum y', X'^T X', X'^T Y' and the per-column sum of y'^2. The shift (the first batch's mean) keeps
 the centred Gram accurate when features have large means (attention-sink outliers), so each
 batch's products can run in float32 while the sums are kept in float64. Moments with equal
-shifts add, so a fit can be split over processes and all-reduced (torch.distributed) as is.
+shifts add, so a fit can be split over processes and all-reduced (torch.distributed) as is;
+moments with other shifts are moved to a common one first (``reshifted``, exact algebra), so
+statistics captured separately (another corpus, another machine) merge into one fit.
 
 Rows may carry weights (weighted least squares): every sum is then weighted and ``n`` is the
 sum of the weights, so all formulas below hold unchanged.
@@ -85,12 +87,34 @@ class Moments:
         self.xy += (xw.T @ ys).to(ACC)
         self.yy += (ys.square() * w[:, None]).sum(0, dtype=ACC)
 
+    def reshifted(self, shift_x: torch.Tensor, shift_y: torch.Tensor) -> Moments:
+        """The same sample's moments about other shifts ([dx], [dy]). With d = old - new shift,
+        x - new = (x - old) + d, so every sum moves by terms of n, the sums and d."""
+        if shift_x.shape != self.shift_x.shape or shift_y.shape != self.shift_y.shape:
+            raise KVMapError(
+                f"shifts of shape {tuple(shift_x.shape)}, {tuple(shift_y.shape)} for moments of "
+                f"width ({self.sum_x.numel()}, {self.sum_y.numel()})"
+            )
+        dx = self.shift_x - shift_x.to(ACC)
+        dy = self.shift_y - shift_y.to(ACC)
+        return Moments(
+            shift_x.to(ACC), shift_y.to(ACC), self.n,
+            self.sum_x + self.n * dx,
+            self.sum_y + self.n * dy,
+            self.xx + torch.outer(self.sum_x, dx) + torch.outer(dx, self.sum_x)
+            + self.n * torch.outer(dx, dx),
+            self.xy + torch.outer(self.sum_x, dy) + torch.outer(dx, self.sum_y)
+            + self.n * torch.outer(dx, dy),
+            self.yy + 2 * dy * self.sum_y + self.n * dy.square(),
+        )  # fmt: skip
+
     def merged(self, other: Moments) -> Moments:
-        """Moments of the union of both samples (shifts must be equal)."""
+        """Moments of the union of both samples, about this one's shifts (``other`` is
+        reshifted first when its shifts differ)."""
         if not (
             torch.equal(self.shift_x, other.shift_x) and torch.equal(self.shift_y, other.shift_y)
         ):
-            raise KVMapError("cannot merge moments accumulated with different shifts")
+            other = other.reshifted(self.shift_x, self.shift_y)
         return Moments(
             self.shift_x, self.shift_y, self.n + other.n,
             self.sum_x + other.sum_x, self.sum_y + other.sum_y,

@@ -141,6 +141,31 @@ def test_statistics_grown_in_steps_through_a_file_equal_one_pass(tiny_pair, tmp_
         load_state(tmp_path / "stats.safetensors", target.spec, source.spec)
 
 
+def test_statistics_of_two_corpora_merge_into_the_fit_of_one_pass(tiny_pair):
+    """A second corpus captured apart (its own shifts) merged in: the same fit as one pass."""
+    from sgl_kvmap.calibrate import collect_statistics, fit_from_statistics
+
+    source, target = tiny_pair
+    config = CalibrationConfig(tokens=1024, window=64, heldout_every=4, top_k=2)
+    generator = torch.Generator().manual_seed(7)
+    code = [torch.randint(0, 60, (64,), generator=generator) for _ in range(8)]
+    prose = [torch.randint(60, 128, (64,), generator=generator) for _ in range(8)]
+    whole = collect_statistics(source, target, code + prose, config, both_directions=True)
+    merged = collect_statistics(source, target, code, config, both_directions=True).merged(
+        collect_statistics(source, target, prose, config, both_directions=True)
+    )
+    assert merged.windows == 16
+    assert merged.forward.heldout["k"].n == whole.forward.heldout["k"].n == 4 * 63
+    for a, b in ((whole.forward, merged.forward), (whole.reverse, merged.reverse)):
+        (fit_a, _), (fit_b, _) = fit_from_statistics(a, config), fit_from_statistics(b, config)
+        for kind in ("k", "v"):
+            for ma, mb in zip(fit_a.maps[kind], fit_b.maps[kind]):
+                torch.testing.assert_close(ma.weight, mb.weight, rtol=1e-3, atol=1e-4)
+                torch.testing.assert_close(ma.bias, mb.bias, rtol=1e-3, atol=1e-3)
+    with pytest.raises(KVMapError, match="one direction"):
+        merged.merged(collect_statistics(source, target, code, config))
+
+
 def test_layer_fidelity_is_counted_once_whatever_the_tail(tiny_pair, text_dir):
     source, target = tiny_pair
     ((mapper, _),) = fit_mapper(source, target, [text_dir / "calib"], CalibrationConfig(**SMALL))

@@ -36,6 +36,35 @@ def test_streaming_moments_equal_batch_statistics():
     torch.testing.assert_close(merged.centered_gram(torch.arange(6)), cxx, rtol=1e-6, atol=1e-3)
 
 
+def test_moments_captured_about_other_shifts_merge_exactly():
+    """Two corpora captured separately (each shifted by its own first batch) merge into the
+    moments of one pass over both: every raw moment, so the fit and its residuals agree."""
+    x, y = torch.randn(300, 6) * 5 + 40, torch.randn(300, 4) - 7
+    x[200:] += 30  # a second corpus with other means
+    one_pass = moments_of(x, y, batches=5)
+    first, second = moments_of(x[:200], y[:200], 2), moments_of(x[200:], y[200:], 2)
+    assert not torch.equal(first.shift_x, second.shift_x)
+    merged = first.merged(second)
+    moved = one_pass.reshifted(first.shift_x, first.shift_y)
+    for name in ("n", "sum_x", "sum_y", "xx", "xy", "yy"):
+        torch.testing.assert_close(
+            torch.as_tensor(getattr(merged, name)),
+            torch.as_tensor(getattr(moved, name)),
+            rtol=1e-6,
+            atol=1e-3,
+        )  # fmt: skip  (batches multiply in float32)
+    torch.testing.assert_close(merged.mean_x, x.double().mean(0))
+    cols_x, cols_y = torch.arange(6), torch.arange(4)
+    xc, yc = (x - x.mean(0)).double(), (y - y.mean(0)).double()
+    torch.testing.assert_close(
+        merged.centered_cross(cols_x, cols_y), xc.T @ yc, rtol=1e-6, atol=1e-3
+    )
+    w, b = fit_affine(merged, cols_x, cols_y, ridge=1e-3)
+    sse, _ = residuals(merged, cols_x, cols_y, w, b)
+    direct = ((x.double() @ w + b - y.double()) ** 2).sum(0)
+    torch.testing.assert_close(sse, direct, rtol=1e-6, atol=1e-3)
+
+
 def test_ridge_equals_direct_least_squares():
     x, y = torch.randn(200, 5).double(), torch.randn(200, 3).double()
     xc, yc = x - x.mean(0), y - y.mean(0)
