@@ -28,6 +28,23 @@ def stdlib_files() -> list[Path]:
     return [p for p in sorted(root.rglob("*.py")) if "site-packages" not in p.parts]
 
 
+def stdlib_docs_files(folder: Path) -> list[Path]:
+    """English prose that every CPython ships: the language and library reference pages behind
+    ``help()`` (``pydoc_data.topics``, ~80 pages, ~110k tokens), one text file per page under
+    ``folder`` (written once per Python version). Disjoint from the evaluation's licence texts
+    and third-party sources."""
+    from pydoc_data.topics import topics
+
+    root = folder / f"pydoc-topics-{sysconfig.get_python_version()}"
+    if not root.is_dir():
+        partial = root.with_name(root.name + ".partial")
+        partial.mkdir(parents=True, exist_ok=True)
+        for name, text in topics.items():
+            (partial / f"{name}.txt").write_text(text, encoding="utf-8")
+        partial.rename(root)  # complete or absent, never half-written
+    return sorted(root.glob("*.txt"))
+
+
 def default_eval_files() -> list[Path]:
     """Held-out text disjoint from the stdlib: third-party sources and licence texts."""
     files: list[Path] = []

@@ -199,18 +199,35 @@ def continuation_loss(
     the true tokens, or with ``teacher`` ([C, vocab] log-probabilities, ``own_log_probs``) the
     mean KL divergence KL(teacher || target on the translated cache) per token.
     Differentiable in the mapper's weights. window: [prompt_len + C] token ids."""
+    logits = handoff_logits(mapper, target, source_cache, window, prompt_len)
+    labels = window[prompt_len:]
+    accuracy = (logits.argmax(-1) == labels).float().mean()
+    if teacher is None:
+        return F.cross_entropy(logits, labels), accuracy
+    return _divergence(logits, teacher), accuracy
+
+
+def handoff_logits(
+    mapper: KVMapper,
+    target: LoadedModel,
+    source_cache: KVCache,
+    window: torch.Tensor,
+    prompt_len: int,
+) -> torch.Tensor:
+    """[C, vocab] logits of ``target`` predicting ``window[prompt_len:]`` after the no-tail
+    hand-off that ``continuation_loss`` describes (differentiable in the mapper's weights)."""
     split = handoff_split(prompt_len, 0)
     translated = mapped_prefix(mapper, source_cache.slice(0, split), window[:split], target.model)
     sinks = min(mapper.sink_tokens, split)
     if sinks:
         translated = translated.replace_front(capture_kv(target.model, window[:sinks]))
-    logits = logits_over(target.model, translated, window[split:])[:-1]
-    labels = window[prompt_len:]
-    accuracy = (logits.argmax(-1) == labels).float().mean()
-    if teacher is None:
-        return F.cross_entropy(logits, labels), accuracy
+    return logits_over(target.model, translated, window[split:])[:-1]
+
+
+def _divergence(logits: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of KL(teacher || softmax(logits)); teacher: [C, vocab] log-probs."""
     student = F.log_softmax(logits, dim=-1)
-    return F.kl_div(student, teacher, reduction="batchmean", log_target=True), accuracy
+    return F.kl_div(student, teacher, reduction="batchmean", log_target=True)
 
 
 def own_log_probs(target: LoadedModel, window: torch.Tensor, prompt_len: int) -> torch.Tensor:
@@ -240,19 +257,20 @@ def _source_cache(source: LoadedModel, window: torch.Tensor, config: TuneConfig)
 
 def _score(mapper: KVMapper, target: LoadedModel, scored: list, prompt_len: int) -> dict:
     """Mean held-out NLL and accuracy over (window, source cache, teacher) triples, and the mean
-    KL divergence from the teachers where they are given (objective "kl")."""
+    KL divergence from the teachers where they are given (objective "kl"); one target forward
+    per window."""
+    nll, accuracy, divergence = [], [], []
     with torch.no_grad():
-        results = [continuation_loss(mapper, target, c, w, prompt_len) for w, c, _ in scored]
-        teachers = [(w, c, t) for w, c, t in scored if t is not None]
-        divergences = [
-            continuation_loss(mapper, target, c, w, prompt_len, t)[0] for w, c, t in teachers
-        ]
-    score = {
-        "heldout_nll": sum(nll.item() for nll, _ in results) / len(results),
-        "heldout_accuracy": sum(acc.item() for _, acc in results) / len(results),
-    }
-    if divergences:
-        score["heldout_kl"] = sum(kl.item() for kl in divergences) / len(divergences)
+        for window, cache, teacher in scored:
+            logits = handoff_logits(mapper, target, cache, window, prompt_len)
+            labels = window[prompt_len:]
+            nll.append(F.cross_entropy(logits, labels).item())
+            accuracy.append((logits.argmax(-1) == labels).float().mean().item())
+            if teacher is not None:
+                divergence.append(_divergence(logits, teacher).item())
+    score = {"heldout_nll": sum(nll) / len(nll), "heldout_accuracy": sum(accuracy) / len(nll)}
+    if divergence:
+        score["heldout_kl"] = sum(divergence) / len(divergence)
     return score
 
 
