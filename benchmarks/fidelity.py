@@ -38,7 +38,12 @@ from sgl_kvmap.calibrate import (
 from sgl_kvmap.capture import load_model
 from sgl_kvmap.default_pair import LARGE, SMALL, cache_root, ensure_model
 from sgl_kvmap.evaluate import EvalRuns, evaluate
-from sgl_kvmap.texts import default_eval_files, eval_sources, prompt_of_length
+from sgl_kvmap.texts import (
+    default_eval_files,
+    eval_sources,
+    prompt_of_length,
+    stdlib_docs_files,
+)
 from sgl_kvmap.timing import measure_speed
 from sgl_kvmap.transfer import Repair
 from sgl_kvmap.tune import TuneConfig, tune_mapper
@@ -79,6 +84,10 @@ CAL_128K = CONFIGS["cal-128k"]
 CONFIGS.update({f"128k-rank-{r}": replace(CAL_128K, rank=r) for r in (512, 768, 1024, "auto")})
 CONFIGS["16k-rank-auto"] = replace(BASE, rank="auto")
 CONFIGS["128k-k-16"] = replace(CAL_128K, top_k=16)
+# more distinct files for the same tokens: at most one 512-token window from each file
+CONFIGS.update(
+    {f"{t}k-per-file-512": replace(BASE, tokens=t * 1024, per_file_tokens=512) for t in (32, 64)}
+)
 # downstream tuning (``tune.tune_mapper``) after a configuration's fit: name -> (fit, tuning)
 # ("-kl": on the KL divergence from the target's own predictions instead of the NLL)
 TUNED = {
@@ -88,6 +97,15 @@ TUNED = {
     for suffix, objective in (("", "nll"), ("-kl", "kl"))
 }
 CONFIGS.update({name: CONFIGS[fitted] for name, (fitted, _) in TUNED.items()})
+# a second corpus captured apart and merged into a configuration's statistics (sufficient
+# statistics add): name -> (configuration, corpus, its tokens)
+CORPORA = {"docs": "the stdlib's reference pages (pydoc topics)"}
+MIXED = {
+    f"{fitted}+docs-{tokens // 1024}k": (fitted, "docs", tokens)
+    for fitted in ("128k-k-16", "128k-rank-auto")
+    for tokens in (16384, 32768)
+}
+CONFIGS.update({name: CONFIGS[fitted] for name, (fitted, _, _) in MIXED.items()})
 HELDOUT_SPLIT = "every 8th file"
 # token weightings: unweighted for both directions, the attention-weighted ones for 0.5B->1.5B
 # only (each direction's statistics take GBs)
@@ -141,6 +159,10 @@ def main(
     for name in names:
         config = CONFIGS[name]
         state = statistics_for(small, large, config)
+        if name in MIXED:
+            _, corpus, tokens = MIXED[name]
+            extra = statistics_for(small, large, replace(config, tokens=tokens), corpus)
+            state, extra = state.merged(extra), None
         wanted = [
             stats if stats is not None and (not directions or d in directions) else None
             for d, stats in zip(DIRECTIONS, (state.forward, state.reverse))
@@ -195,6 +217,9 @@ def main(
             )  # fmt: skip
             if tuning is not None:
                 row["tuning"] = {**tuning.summary(), "curve": tuning.curve}
+            if name in MIXED:
+                _, corpus, tokens = MIXED[name]
+                row["calibration"]["extra"] = {"text": CORPORA[corpus], "tokens": tokens}
             row["by_window"] = [
                 {"file": f"{path.parent.name}/{path.name}", **{n: asdict(q) for n, q in w.items()}}
                 for (path, _), w in zip(sources, reports[main_tail].by_window)
@@ -205,8 +230,9 @@ def main(
             print(json.dumps({k: v for k, v in row.items() if k != "tail_curve"}, indent=1))
 
 
-def statistics_for(small, large, config: CalibrationConfig) -> CalibrationState:
-    """Statistics for ``config`` (its budget and token weighting), from the cache or captured.
+def statistics_for(small, large, config: CalibrationConfig, corpus: str | None = None):
+    """Statistics for ``config`` (its budget and token weighting) on the default calibration
+    text or on ``corpus`` (a name in CORPORA), from the cache or captured.
 
     A capture grows the configuration's weighting (one pass of both models) from the largest
     smaller budget cached for it, and caches the result.
@@ -214,31 +240,42 @@ def statistics_for(small, large, config: CalibrationConfig) -> CalibrationState:
     power = config.attention_power
     if power not in WEIGHTINGS:
         raise click.UsageError(f"attention power {power} not in {WEIGHTINGS}")
-    path = _stats_path(config, power, config.tokens)
+    path = _stats_path(config, power, config.tokens, corpus)
     if not path.exists():
-        start = max((b for b in _cached_budgets(config, power) if b < config.tokens), default=None)
+        budgets = _cached_budgets(config, power, corpus)
+        start = max((b for b in budgets if b < config.tokens), default=None)
         state = (
-            load_state(_stats_path(config, power, start), small.spec, large.spec)
+            load_state(_stats_path(config, power, start, corpus), small.spec, large.spec)
             if start
             else CalibrationState.empty(small.spec, large.spec, WEIGHTINGS[power], power)
         )
-        windows = calibration_token_windows(small.tokenizer, None, config)
+        windows = calibration_token_windows(small.tokenizer, _corpus_files(corpus), config)
         (state,) = collect_many(small, large, windows, config, [state])
         save_state(state, path)
         state = None  # free it before loading it back
     return load_state(path, small.spec, large.spec)
 
 
-def _cached_budgets(config: CalibrationConfig, power: float) -> set[int]:
-    pattern = _stats_path(config, power, "*")
+def _corpus_files(corpus: str | None):
+    if corpus is None:
+        return None  # the default calibration text
+    if corpus == "docs":
+        return stdlib_docs_files(cache_root() / "texts")
+    raise click.UsageError(f"unknown corpus {corpus!r}; known: {sorted(CORPORA)}")
+
+
+def _cached_budgets(config: CalibrationConfig, power: float, corpus: str | None) -> set[int]:
+    pattern = _stats_path(config, power, "*", corpus)
     return {int(p.stem.rsplit("-t", 1)[1]) for p in pattern.parent.glob(pattern.name)}
 
 
-def _stats_path(config: CalibrationConfig, power: float, tokens) -> Path:
+def _stats_path(config: CalibrationConfig, power: float, tokens, corpus: str | None) -> Path:
     folder = cache_root() / "stats"
     folder.mkdir(parents=True, exist_ok=True)
     key = f"qwen-coder-0.5b-1.5b-w{config.window}-skip{config.skip_first}-s{config.stride}"
-    key += f"-files{config.heldout_every}-attn{power}"
+    key += f"-files{config.heldout_every}-attn{power}" + (f"-{corpus}" if corpus else "")
+    if config.per_file_tokens != CalibrationConfig.per_file_tokens:
+        key += f"-pf{config.per_file_tokens}"
     return folder / f"{key}-t{tokens}.safetensors"
 
 
@@ -268,6 +305,7 @@ def _row(
             "text": text_description(None),
             "tokens": config.tokens,
             "window": config.window,
+            "per_file_tokens": config.per_file_tokens,
             "heldout_split": HELDOUT_SPLIT,
             "attention_power": config.attention_power,
         },
@@ -335,7 +373,7 @@ def _record(row: dict) -> None:
 TABLE = [  # header, cell of one row
     ("config", lambda r: r["config"]),
     ("direction", lambda r: r["direction"]),
-    ("cal tokens", lambda r: str(r["calibration"]["tokens"])),
+    ("cal tokens", lambda r: _calibration_tokens(r["calibration"])),
     ("k", lambda r: str(r["k"])),
     ("sinks", lambda r: str(r["sink_tokens"])),
     ("R2 K / V held-out", lambda r: f"{r['heldout_r2_k']:.3f} / {r['heldout_r2_v']:.3f}"),
@@ -372,6 +410,11 @@ def _repaired(r: dict) -> str:
         f"{r['accuracy']['repaired']:.3f} (ret {_f(r['retention_repaired'])}, gap {_f(gap)}, "
         f"{speed['end_to_end_speedup']:.1f}x; {r['repair']})"
     )
+
+
+def _calibration_tokens(calibration: dict) -> str:
+    extra = calibration.get("extra")
+    return str(calibration["tokens"]) + (f" + {extra['tokens']} docs" if extra else "")
 
 
 def _tuned(r: dict) -> str:
