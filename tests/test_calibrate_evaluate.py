@@ -203,3 +203,17 @@ def test_heldout_windows_come_from_files_no_training_window_reads(tmp_path):
         calibration_token_windows(tokenizer, [tmp_path / "short"], config)
     with pytest.raises(KVMapError, match="two text files"):
         calibration_token_windows(tokenizer, [tmp_path / "a.txt"], config)
+
+
+def test_stdlib_docs_are_the_reference_pages_written_once(tmp_path):
+    from pydoc_data.topics import topics
+
+    from sgl_kvmap.texts import default_eval_files, stdlib_docs_files
+
+    files = stdlib_docs_files(tmp_path)
+    assert len(files) == len(topics) > 50
+    assert {f.stem: f.read_text(encoding="utf-8") for f in files} == topics
+    stamp = files[0].stat().st_mtime_ns
+    assert stdlib_docs_files(tmp_path) == files and files[0].stat().st_mtime_ns == stamp
+    assert not list(tmp_path.glob("*.partial"))
+    assert not set(files) & set(default_eval_files())  # calibration text, never evaluation
