@@ -88,15 +88,6 @@ CONFIGS["128k-k-16"] = replace(CAL_128K, top_k=16)
 CONFIGS.update(
     {f"{t}k-per-file-512": replace(BASE, tokens=t * 1024, per_file_tokens=512) for t in (32, 64)}
 )
-# downstream tuning (``tune.tune_mapper``) after a configuration's fit: name -> (fit, tuning)
-# ("-kl": on the KL divergence from the target's own predictions instead of the NLL)
-TUNED = {
-    f"{fitted}-tune{suffix}-{steps}": (fitted, TuneConfig(steps=steps, objective=objective))
-    for fitted in ("128k-rank-auto", "128k-k-16", "16k-rank-auto")
-    for steps in (60, 120, 240)
-    for suffix, objective in (("", "nll"), ("-kl", "kl"))
-}
-CONFIGS.update({name: CONFIGS[fitted] for name, (fitted, _) in TUNED.items()})
 # a second corpus captured apart and merged into a configuration's statistics (sufficient
 # statistics add): name -> (configuration, corpus, its tokens)
 CORPORA = {"docs": "the stdlib's reference pages (pydoc topics)"}
@@ -106,6 +97,19 @@ MIXED = {
     for tokens in (16384, 32768)
 }
 CONFIGS.update({name: CONFIGS[fitted] for name, (fitted, _, _) in MIXED.items()})
+# downstream tuning (``tune.tune_mapper``) after a configuration's fit: name -> (fit, tuning)
+# ("-kl": on the KL divergence from the target's own predictions instead of the NLL; "-lr-3e-4":
+# three times the default relative rate)
+TUNED = {
+    f"{fitted}-tune{suffix}{rate}-{steps}": (
+        fitted, TuneConfig(steps=steps, objective=objective, lr=lr)
+    )
+    for fitted in ("128k-rank-auto", "128k-k-16", "16k-rank-auto", "128k-k-16+docs-16k")
+    for steps in (60, 120, 240)
+    for suffix, objective in (("", "nll"), ("-kl", "kl"))
+    for rate, lr in (("", TuneConfig.lr), ("-lr-3e-4", 3e-4))
+}  # fmt: skip
+CONFIGS.update({name: CONFIGS[fitted] for name, (fitted, _) in TUNED.items()})
 HELDOUT_SPLIT = "every 8th file"
 # token weightings: unweighted for both directions, the attention-weighted ones for 0.5B->1.5B
 # only (each direction's statistics take GBs)
@@ -159,8 +163,9 @@ def main(
     for name in names:
         config = CONFIGS[name]
         state = statistics_for(small, large, config)
-        if name in MIXED:
-            _, corpus, tokens = MIXED[name]
+        fitted_name = TUNED[name][0] if name in TUNED else name
+        if fitted_name in MIXED:
+            _, corpus, tokens = MIXED[fitted_name]
             extra = statistics_for(small, large, replace(config, tokens=tokens), corpus)
             state, extra = state.merged(extra), None
         wanted = [
@@ -217,8 +222,8 @@ def main(
             )  # fmt: skip
             if tuning is not None:
                 row["tuning"] = {**tuning.summary(), "curve": tuning.curve}
-            if name in MIXED:
-                _, corpus, tokens = MIXED[name]
+            if fitted_name in MIXED:
+                _, corpus, tokens = MIXED[fitted_name]
                 row["calibration"]["extra"] = {"text": CORPORA[corpus], "tokens": tokens}
             row["by_window"] = [
                 {"file": f"{path.parent.name}/{path.name}", **{n: asdict(q) for n, q in w.items()}}
@@ -422,7 +427,8 @@ def _tuned(r: dict) -> str:
         return "-"
     t = r["tuning"]
     return (
-        f"{t.get('tune_objective', 'nll')}, {t['tune_best_step']} of {t['tune_steps']}, "
+        f"{t.get('tune_objective', 'nll')} lr {t['tune_lr']:g}, "
+        f"{t['tune_best_step']} of {t['tune_steps']}, "
         f"{t['tune_heldout_nll_fitted']:.3f} -> {t['tune_heldout_nll']:.3f}, "
         f"{t['tune_seconds']:.0f}"
     )
