@@ -456,6 +456,34 @@ def _write_table() -> None:
     (RESULTS / "fidelity.md").write_text(
         f"# Fidelity results\n\n{note}\n\n" + "\n".join(lines) + "\n"
     )
+    _write_windows_table(rows)
+
+
+def _write_windows_table(rows: list[dict]) -> None:
+    """Per evaluation window, per direction: the baselines' and every recorded row's NLL on the
+    translated cache (no tail), to see which texts a map fails on."""
+    sections = ["# Fidelity by evaluation window", "", (
+        "NLL on each window's continuation: the target on its own cache, the source alone, then "
+        "the target on each configuration's translated cache (no tail; accuracy after the "
+        "slash). Written by `python benchmarks/fidelity.py` from the rows that recorded "
+        "per-window scores."
+    )]  # fmt: skip
+    for direction in DIRECTIONS:
+        chosen = [r for r in rows if r["direction"] == direction and r.get("by_window")]
+        if not chosen:
+            continue
+        header = ["file", "target", "source", *(r["config"] for r in chosen)]
+        lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+        for i, window in enumerate(chosen[0]["by_window"]):
+            cells = [window["file"], _nll_acc(window["reference"]), _nll_acc(window["source"])]
+            cells += [_nll_acc(r["by_window"][i]["mapped"]) for r in chosen]
+            lines.append("| " + " | ".join(cells) + " |")
+        sections += ["", f"## {direction}", "", *lines]
+    (RESULTS / "fidelity_windows.md").write_text("\n".join(sections) + "\n")
+
+
+def _nll_acc(quality: dict) -> str:
+    return f"{quality['nll']:.2f} / {quality['accuracy']:.3f}"
 
 
 def _plot() -> None:
