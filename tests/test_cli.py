@@ -129,13 +129,15 @@ def test_top_k_with_a_rank_is_a_usage_error(model_dirs, tmp_path):
 def test_tune_writes_a_tuned_pack_and_its_curve(fitted_pack, text_dir, tmp_path):
     args = ["tune", str(fitted_pack[0]), "--out", str(tmp_path / "t"), "--calibration",
             str(text_dir / "calib"), "--steps", "4", "--eval-every", "2", "--prompt-len", "48",
-            "--continuation", "16", "--lr", "1e-2"]  # fmt: skip
+            "--continuation", "16", "--lr", "1e-2", "--objective", "kl"]  # fmt: skip
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout[: result.stdout.rindex("}") + 1])
     assert [point["step"] for point in summary["curve"]] == [0, 2, 4]
+    assert all("heldout_kl" in point for point in summary["curve"])
     pack = json.loads((tmp_path / "t" / "kvmap.json").read_text())
     assert pack["calibration"]["tuning"]["steps"] == 4
+    assert pack["calibration"]["tuning"]["objective"] == "kl"
     assert pack["calibration"]["heldout_every"] == 8  # the fit's recipe is kept beside it
     assert pack["metrics"]["tune_best_step"] == summary["tune_best_step"]
 
