@@ -163,10 +163,9 @@ def main(
     for name in names:
         config = CONFIGS[name]
         state = statistics_for(small, large, config)
-        fitted_name = TUNED[name][0] if name in TUNED else name
-        if fitted_name in MIXED:
-            _, corpus, tokens = MIXED[fitted_name]
-            extra = statistics_for(small, large, replace(config, tokens=tokens), corpus)
+        mixed = MIXED.get(TUNED[name][0] if name in TUNED else name)  # (fit, corpus, tokens)
+        if mixed is not None:
+            extra = statistics_for(small, large, replace(config, tokens=mixed[2]), mixed[1])
             state, extra = state.merged(extra), None
         wanted = [
             stats if stats is not None and (not directions or d in directions) else None
@@ -222,9 +221,8 @@ def main(
             )  # fmt: skip
             if tuning is not None:
                 row["tuning"] = {**tuning.summary(), "curve": tuning.curve}
-            if fitted_name in MIXED:
-                _, corpus, tokens = MIXED[fitted_name]
-                row["calibration"]["extra"] = {"text": CORPORA[corpus], "tokens": tokens}
+            if mixed is not None:
+                row["calibration"]["extra"] = {"text": CORPORA[mixed[1]], "tokens": mixed[2]}
             row["by_window"] = [
                 {"file": f"{path.parent.name}/{path.name}", **{n: asdict(q) for n, q in w.items()}}
                 for (path, _), w in zip(sources, reports[main_tail].by_window)
@@ -474,9 +472,13 @@ def _write_windows_table(rows: list[dict]) -> None:
             continue
         header = ["file", "target", "source", *(r["config"] for r in chosen)]
         lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-        for i, window in enumerate(chosen[0]["by_window"]):
+        by_file = [{w["file"]: w for w in r["by_window"]} for r in chosen]
+        for window in chosen[0]["by_window"]:  # rows keyed by file: runs may differ in windows
             cells = [window["file"], _nll_acc(window["reference"]), _nll_acc(window["source"])]
-            cells += [_nll_acc(r["by_window"][i]["mapped"]) for r in chosen]
+            cells += [
+                _nll_acc(row[window["file"]]["mapped"]) if window["file"] in row else "-"
+                for row in by_file
+            ]
             lines.append("| " + " | ".join(cells) + " |")
         sections += ["", f"## {direction}", "", *lines]
     (RESULTS / "fidelity_windows.md").write_text("\n".join(sections) + "\n")

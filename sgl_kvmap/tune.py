@@ -200,11 +200,8 @@ def continuation_loss(
     mean KL divergence KL(teacher || target on the translated cache) per token.
     Differentiable in the mapper's weights. window: [prompt_len + C] token ids."""
     logits = handoff_logits(mapper, target, source_cache, window, prompt_len)
-    labels = window[prompt_len:]
-    accuracy = (logits.argmax(-1) == labels).float().mean()
-    if teacher is None:
-        return F.cross_entropy(logits, labels), accuracy
-    return _divergence(logits, teacher), accuracy
+    nll, accuracy = _nll_and_accuracy(logits, window[prompt_len:])
+    return (nll if teacher is None else _divergence(logits, teacher)), accuracy
 
 
 def handoff_logits(
@@ -224,6 +221,11 @@ def handoff_logits(
     return logits_over(target.model, translated, window[split:])[:-1]
 
 
+def _nll_and_accuracy(logits: torch.Tensor, labels: torch.Tensor):
+    """(mean cross-entropy, top-1 accuracy) of logits [C, vocab] on labels [C]."""
+    return F.cross_entropy(logits, labels), (logits.argmax(-1) == labels).float().mean()
+
+
 def _divergence(logits: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
     """Mean over tokens of KL(teacher || softmax(logits)); teacher: [C, vocab] log-probs."""
     student = F.log_softmax(logits, dim=-1)
@@ -234,11 +236,9 @@ def own_log_probs(target: LoadedModel, window: torch.Tensor, prompt_len: int) ->
     """[C, vocab] log-probabilities of ``target``'s next-token predictions for
     ``window[prompt_len:]`` over its own cache of the prompt: the teacher of ``objective="kl"``.
     window: [prompt_len + C] token ids."""
-    split = handoff_split(prompt_len, 0)
+    keep = window.numel() - prompt_len + 1
     with torch.no_grad():
-        cache = capture_kv(target.model, window[:split])
-        keep = window.numel() - prompt_len + 1
-        logits = run(target.model, window[split:], past=cache, logits_to_keep=keep).logits
+        logits = run(target.model, window, logits_to_keep=keep).logits
     return F.log_softmax(logits[:-1], dim=-1)
 
 
@@ -263,9 +263,9 @@ def _score(mapper: KVMapper, target: LoadedModel, scored: list, prompt_len: int)
     with torch.no_grad():
         for window, cache, teacher in scored:
             logits = handoff_logits(mapper, target, cache, window, prompt_len)
-            labels = window[prompt_len:]
-            nll.append(F.cross_entropy(logits, labels).item())
-            accuracy.append((logits.argmax(-1) == labels).float().mean().item())
+            window_nll, window_accuracy = _nll_and_accuracy(logits, window[prompt_len:])
+            nll.append(window_nll.item())
+            accuracy.append(window_accuracy.item())
             if teacher is not None:
                 divergence.append(_divergence(logits, teacher).item())
     score = {"heldout_nll": sum(nll) / len(nll), "heldout_accuracy": sum(accuracy) / len(nll)}
