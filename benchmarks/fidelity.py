@@ -39,6 +39,7 @@ from sgl_kvmap.capture import load_model
 from sgl_kvmap.default_pair import LARGE, SMALL, cache_root, ensure_model
 from sgl_kvmap.evaluate import EvalRuns, evaluate
 from sgl_kvmap.texts import (
+    code_corpus_files,
     default_eval_files,
     eval_sources,
     prompt_of_length,
@@ -97,19 +98,22 @@ MIXED = {
     for tokens in (16384, 32768)
 }
 CONFIGS.update({name: CONFIGS[fitted] for name, (fitted, _, _) in MIXED.items()})
-# downstream tuning (``tune.tune_mapper``) after a configuration's fit: name -> (fit, tuning)
-# ("-kl": on the KL divergence from the target's own predictions instead of the NLL; "-lr-3e-4":
-# three times the default relative rate)
+# downstream tuning (``tune.tune_mapper``) after a configuration's fit: name -> (fit, tuning,
+# tuning text) ("-kl": on the KL divergence from the target's own predictions instead of the
+# NLL; "-lr-3e-4": three times the default relative rate; "-code": tuned on the stdlib and the
+# sources of sgl-kvmap's other dependencies, ``texts.code_corpus_files``, instead of the stdlib)
+TUNING_TEXTS = {"": None, "-code": code_corpus_files}
 TUNED = {
-    f"{fitted}-tune{suffix}{rate}-{steps}": (
-        fitted, TuneConfig(steps=steps, objective=objective, lr=lr)
+    f"{fitted}-tune{text}{suffix}{rate}-{steps}": (
+        fitted, TuneConfig(steps=steps, objective=objective, lr=lr), TUNING_TEXTS[text]
     )
     for fitted in ("128k-rank-auto", "128k-k-16", "16k-rank-auto", "128k-k-16+docs-16k")
     for steps in (60, 120, 240)
+    for text in TUNING_TEXTS
     for suffix, objective in (("", "nll"), ("-kl", "kl"))
     for rate, lr in (("", TuneConfig.lr), ("-lr-3e-4", 3e-4))
 }  # fmt: skip
-CONFIGS.update({name: CONFIGS[fitted] for name, (fitted, _) in TUNED.items()})
+CONFIGS.update({name: CONFIGS[fitted] for name, (fitted, _, _) in TUNED.items()})
 HELDOUT_SPLIT = "every 8th file"
 # token weightings: unweighted for both directions, the attention-weighted ones for 0.5B->1.5B
 # only (each direction's statistics take GBs)
@@ -148,9 +152,15 @@ def _repair(ctx, param, value: str | None) -> Repair | None:
     callback=_repair,
     help="Also score (and time) the hand-off repair ANCHORS:DRAFT over the main tail.",
 )
+@click.option(
+    "--save-packs",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Save each row's mapper (tuned ones included) as a pack under DIR/CONFIG/DIRECTION.",
+)
 def main(
-    names, windows, prefix_len, continuation, tails, main_tail, speed_tokens, directions, repair
-):
+    names, windows, prefix_len, continuation, tails, main_tail, speed_tokens, directions, repair,
+    save_packs,
+):  # fmt: skip
     tails = sorted({0, main_tail, *map(int, tails.split(","))})
     small, large = load_model(str(ensure_model(SMALL))), load_model(str(ensure_model(LARGE)))
     sources = eval_sources(
@@ -183,7 +193,11 @@ def main(
             mapper, fit, solve_seconds = fitted
             tuning = None
             if name in TUNED:
-                mapper, tuning = tune_mapper(mapper, source, target, None, TUNED[name][1])
+                _, tune_config, tuning_text = TUNED[name]
+                text = tuning_text and tuning_text()
+                mapper, tuning = tune_mapper(mapper, source, target, text, tune_config)
+            if save_packs is not None:
+                mapper.save_pretrained(save_packs / name / direction.replace("->", "_to_"))
             reports = {
                 t: evaluate(
                     mapper,
@@ -220,7 +234,8 @@ def main(
                 main_tail,
             )  # fmt: skip
             if tuning is not None:
-                row["tuning"] = {**tuning.summary(), "curve": tuning.curve}
+                text = "stdlib + dependency sources" if text else "stdlib"
+                row["tuning"] = {**tuning.summary(), "curve": tuning.curve, "text": text}
             if mixed is not None:
                 row["calibration"]["extra"] = {"text": CORPORA[mixed[1]], "tokens": mixed[2]}
             row["by_window"] = [
@@ -429,6 +444,7 @@ def _tuned(r: dict) -> str:
         f"{t['tune_best_step']} of {t['tune_steps']}, "
         f"{t['tune_heldout_nll_fitted']:.3f} -> {t['tune_heldout_nll']:.3f}, "
         f"{t['tune_seconds']:.0f}"
+        + (", on " + t["text"] if t.get("text", "stdlib") != "stdlib" else "")
     )
 
 

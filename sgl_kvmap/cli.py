@@ -152,6 +152,19 @@ def main(verbose: bool) -> None:
     help="Then tune the fitted map for this many steps on the target's next-token loss over "
     "translated caches (`sgl-kvmap tune`; 0: the closed-form fit as it is).",
 )
+@click.option(
+    "--tune-lr",
+    default=TuneConfig.lr,
+    show_default=True,
+    help="Tuning's relative learning rate (`sgl-kvmap tune --lr`).",
+)
+@click.option(
+    "--tune-objective",
+    type=click.Choice(OBJECTIVES),
+    default=TuneConfig.objective,
+    show_default=True,
+    help="Tuning's loss (`sgl-kvmap tune --objective`).",
+)
 @click.pass_context
 def fit(
     ctx,
@@ -169,6 +182,8 @@ def fit(
     attention_power,
     rank,
     tune_steps,
+    tune_lr,
+    tune_objective,
 ) -> None:
     """Fit a SOURCE -> TARGET mapper (anything transformers loads) and save it as a pack."""
     from .calibrate import fit_mapper
@@ -194,7 +209,8 @@ def fit(
     if tune_steps:
         from .tune import tune_mapper
 
-        mapper, tuning = tune_mapper(mapper, *models, texts, TuneConfig(steps=tune_steps))
+        config = TuneConfig(steps=tune_steps, lr=tune_lr, objective=tune_objective)
+        mapper, tuning = tune_mapper(mapper, *models, texts, config)
         summary.update(tuning.summary())
     mapper.save_pretrained(out)
     click.echo(json.dumps(summary, indent=2))

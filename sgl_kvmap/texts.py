@@ -3,6 +3,9 @@
 Defaults keep calibration and evaluation disjoint: calibration reads the Python standard
 library's sources; evaluation reads the sources of third-party packages that sgl-kvmap itself
 installs (click, tqdm, huggingface_hub) plus the system's licence texts, never the stdlib.
+A broader code corpus that every install has too: the stdlib plus the sources of sgl-kvmap's
+other dependencies (``code_corpus_files``: torch, transformers, numpy, ...), never the
+evaluation's packages.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from .errors import KVMapError
 
 TEXT_SUFFIXES = {".py", ".md", ".rst", ".txt", ".json", ".toml", ".yaml", ".yml", ".c", ".h", ""}
 EVAL_PACKAGES = ("click", "tqdm", "huggingface_hub")
+# installed with sgl-kvmap everywhere (its dependencies), disjoint from EVAL_PACKAGES
+DEPENDENCY_PACKAGES = ("torch", "transformers", "numpy", "accelerate", "safetensors", "gguf")
 LICENCE_DIR = Path("/usr/share/common-licenses")
 
 
@@ -45,13 +50,26 @@ def stdlib_docs_files(folder: Path) -> list[Path]:
     return sorted(root.glob("*.txt"))
 
 
-def default_eval_files() -> list[Path]:
-    """Held-out text disjoint from the stdlib: third-party sources and licence texts."""
+def package_files(names: Iterable[str]) -> list[Path]:
+    """The .py sources of the installed packages ``names`` (any not installed are skipped),
+    sorted within each package."""
     files: list[Path] = []
-    for name in EVAL_PACKAGES:
+    for name in names:
         spec = importlib.util.find_spec(name)
         if spec and spec.submodule_search_locations:
             files += sorted(Path(next(iter(spec.submodule_search_locations))).rglob("*.py"))
+    return files
+
+
+def code_corpus_files() -> list[Path]:
+    """The stdlib's sources and those of sgl-kvmap's other dependencies (DEPENDENCY_PACKAGES):
+    more kinds of code than the stdlib alone, still disjoint from ``default_eval_files``."""
+    return stdlib_files() + package_files(DEPENDENCY_PACKAGES)
+
+
+def default_eval_files() -> list[Path]:
+    """Held-out text disjoint from the stdlib: third-party sources and licence texts."""
+    files = package_files(EVAL_PACKAGES)
     if LICENCE_DIR.is_dir():
         files += sorted(p for p in LICENCE_DIR.iterdir() if p.is_file())
     return files

@@ -1,4 +1,5 @@
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -217,3 +218,24 @@ def test_stdlib_docs_are_the_reference_pages_written_once(tmp_path):
     assert stdlib_docs_files(tmp_path) == files and files[0].stat().st_mtime_ns == stamp
     assert not list(tmp_path.glob("*.partial"))
     assert not set(files) & set(default_eval_files())  # calibration text, never evaluation
+
+
+def test_code_corpus_is_the_stdlib_and_dependency_sources_never_evaluation_packages():
+    import torch as torch_package
+
+    from sgl_kvmap.texts import (
+        EVAL_PACKAGES,
+        code_corpus_files,
+        default_eval_files,
+        package_files,
+        stdlib_files,
+    )
+
+    files = code_corpus_files()
+    torch_root = Path(torch_package.__file__).parent
+    assert set(stdlib_files()) < set(files)
+    assert any(torch_root in f.parents for f in files)  # a dependency's own sources
+    assert all(f.suffix == ".py" for f in files) and len(set(files)) == len(files)
+    assert not set(files) & set(default_eval_files())
+    assert set(package_files(EVAL_PACKAGES)) <= set(default_eval_files())
+    assert package_files(["no_such_package_here"]) == []

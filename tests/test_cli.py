@@ -142,6 +142,18 @@ def test_tune_writes_a_tuned_pack_and_its_curve(fitted_pack, text_dir, tmp_path)
     assert pack["metrics"]["tune_best_step"] == summary["tune_best_step"]
 
 
+def test_fit_tunes_with_the_rate_and_objective_it_is_given(model_dirs, text_dir, tmp_path):
+    args = ["fit", *model_dirs, "--out", str(tmp_path / "p"), "--calibration", str(text_dir),
+            "--tokens", "1024", "--window", "128", "--top-k", "2", "--tune-steps", "2",
+            "--tune-lr", "0.01", "--tune-objective", "kl"]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout[: result.stdout.rindex("}") + 1])
+    assert summary["tune_steps"] == 2 and summary["tune_objective"] == "kl"
+    tuning = json.loads((tmp_path / "p" / "kvmap.json").read_text())["calibration"]["tuning"]
+    assert (tuning["steps"], tuning["lr"], tuning["objective"]) == (2, 0.01, "kl")
+
+
 def test_sglang_args_give_the_target_its_peer_and_pack(fitted_pack, model_dirs):
     import shlex
 
