@@ -39,9 +39,11 @@ from sgl_kvmap.capture import load_model
 from sgl_kvmap.default_pair import LARGE, SMALL, cache_root, ensure_model
 from sgl_kvmap.evaluate import EvalRuns, evaluate
 from sgl_kvmap.texts import (
+    DEPENDENCY_PACKAGES,
     code_corpus_files,
     default_eval_files,
     eval_sources,
+    package_files,
     prompt_of_length,
     stdlib_docs_files,
 )
@@ -91,17 +93,22 @@ CONFIGS.update(
 )
 # a second corpus captured apart and merged into a configuration's statistics (sufficient
 # statistics add): name -> (configuration, corpus, its tokens)
-CORPORA = {"docs": "the stdlib's reference pages (pydoc topics)"}
+CORPORA = {
+    "docs": "the stdlib's reference pages (pydoc topics)",
+    "deps": "the sources of sgl-kvmap's dependencies (torch, transformers, numpy, ...)",
+}
 MIXED = {
-    f"{fitted}+docs-{tokens // 1024}k": (fitted, "docs", tokens)
+    f"{fitted}+{corpus}-{tokens // 1024}k": (fitted, corpus, tokens)
     for fitted in ("128k-k-16", "128k-rank-auto")
+    for corpus in CORPORA
     for tokens in (16384, 32768)
 }
 CONFIGS.update({name: CONFIGS[fitted] for name, (fitted, _, _) in MIXED.items()})
 # downstream tuning (``tune.tune_mapper``) after a configuration's fit: name -> (fit, tuning,
 # tuning text) ("-kl": on the KL divergence from the target's own predictions instead of the
-# NLL; "-lr-3e-4": three times the default relative rate; "-code": tuned on the stdlib and the
-# sources of sgl-kvmap's other dependencies, ``texts.code_corpus_files``, instead of the stdlib)
+# NLL; "-lr-3e-4" / "-lr-3e-5": other relative rates than the default 1e-4; "-code": tuned on
+# the stdlib and the sources of sgl-kvmap's other dependencies, ``texts.code_corpus_files``,
+# instead of the stdlib alone)
 TUNING_TEXTS = {"": None, "-code": code_corpus_files}
 TUNED = {
     f"{fitted}-tune{text}{suffix}{rate}-{steps}": (
@@ -111,7 +118,7 @@ TUNED = {
     for steps in (60, 120, 240)
     for text in TUNING_TEXTS
     for suffix, objective in (("", "nll"), ("-kl", "kl"))
-    for rate, lr in (("", TuneConfig.lr), ("-lr-3e-4", 3e-4))
+    for rate, lr in (("", TuneConfig.lr), ("-lr-3e-4", 3e-4), ("-lr-3e-5", 3e-5))
 }  # fmt: skip
 CONFIGS.update({name: CONFIGS[fitted] for name, (fitted, _, _) in TUNED.items()})
 HELDOUT_SPLIT = "every 8th file"
@@ -279,6 +286,8 @@ def _corpus_files(corpus: str | None):
         return None  # the default calibration text
     if corpus == "docs":
         return stdlib_docs_files(cache_root() / "texts")
+    if corpus == "deps":
+        return package_files(DEPENDENCY_PACKAGES)
     raise click.UsageError(f"unknown corpus {corpus!r}; known: {sorted(CORPORA)}")
 
 

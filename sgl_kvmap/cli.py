@@ -265,10 +265,16 @@ def fit(
     help="nll: cross-entropy on the true next tokens; kl: KL divergence from the target's own "
     "next-token distribution (one more target forward per step).",
 )
+@click.option(
+    "--warmup",
+    default=TuneConfig.warmup,
+    show_default=True,
+    help="Steps over which the rate rises linearly to --lr.",
+)
 @click.option("--source", "source_path", default=None, help="Default: the pack's source.")
 @click.option("--target", "target_path", default=None, help="Default: the pack's target.")
 def tune(
-    pack, out, calibration, steps, lr, prompt_len, continuation, eval_every, objective,
+    pack, out, calibration, steps, lr, prompt_len, continuation, eval_every, objective, warmup,
     source_path, target_path,
 ) -> None:  # fmt: skip
     """Tune a pack's map on the target's next-token loss over translated caches, save a pack.
@@ -286,7 +292,7 @@ def tune(
     target = load_model(target_path or mapper.target.model_id)
     config = TuneConfig(
         steps=steps, lr=lr, prompt_len=prompt_len, continuation=continuation,
-        eval_every=eval_every, objective=objective,
+        eval_every=eval_every, objective=objective, warmup=warmup,
     )  # fmt: skip
     tuned, report = tune_mapper(mapper, source, target, list(calibration) or None, config)
     tuned.save_pretrained(out)

@@ -129,7 +129,8 @@ def test_top_k_with_a_rank_is_a_usage_error(model_dirs, tmp_path):
 def test_tune_writes_a_tuned_pack_and_its_curve(fitted_pack, text_dir, tmp_path):
     args = ["tune", str(fitted_pack[0]), "--out", str(tmp_path / "t"), "--calibration",
             str(text_dir / "calib"), "--steps", "4", "--eval-every", "2", "--prompt-len", "48",
-            "--continuation", "16", "--lr", "1e-2", "--objective", "kl"]  # fmt: skip
+            "--continuation", "16", "--lr", "1e-2", "--objective", "kl",
+            "--warmup", "1"]  # fmt: skip
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout[: result.stdout.rindex("}") + 1])
@@ -138,6 +139,7 @@ def test_tune_writes_a_tuned_pack_and_its_curve(fitted_pack, text_dir, tmp_path)
     pack = json.loads((tmp_path / "t" / "kvmap.json").read_text())
     assert pack["calibration"]["tuning"]["steps"] == 4
     assert pack["calibration"]["tuning"]["objective"] == "kl"
+    assert pack["calibration"]["tuning"]["warmup"] == 1
     assert pack["calibration"]["heldout_every"] == 8  # the fit's recipe is kept beside it
     assert pack["metrics"]["tune_best_step"] == summary["tune_best_step"]
 

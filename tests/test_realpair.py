@@ -111,7 +111,7 @@ def test_tuning_the_real_map_lowers_its_loss_on_unseen_text(fitted, reports, pai
     evaluation text, which no step or held-out score saw."""
     mapper, _ = fitted[0]
     config = TuneConfig(steps=8, lr=3e-4, prompt_len=PREFIX, continuation=64, eval_every=4,
-                        heldout_windows=2)  # fmt: skip
+                        heldout_windows=2, warmup=0)  # fmt: skip
     tuned, tuning = tune_mapper(mapper, *pair, None, config)
     gain = tuning.curve[0]["heldout_nll"] - tuning.best["heldout_nll"]
     assert tuning.best_step > 0 and gain > FLOORS["tune_heldout_nll_gain"]

@@ -14,6 +14,7 @@ from sgl_kvmap.tune import (
     TuneConfig,
     _copy,
     _frozen,
+    _warmup,
     continuation_loss,
     own_log_probs,
     tune_mapper,
@@ -102,7 +103,7 @@ def test_tuning_lowers_the_heldout_loss_and_keeps_the_map_servable(
     source, target = tiny_pair
     before = {kind: [m.weight.clone() for m in mapper.maps[kind]] for kind in ("k", "v")}
     lr = 3e-2 if objective == "nll" else 3e-3  # KL's first steps overshoot at 3e-2 here
-    config = TuneConfig(steps=15, lr=lr, objective=objective, **TINY)
+    config = TuneConfig(steps=15, lr=lr, objective=objective, warmup=0, **TINY)
     tuned, report = tune_mapper(mapper, source, target, [text_dir / "calib"], config)
     assert [p["step"] for p in report.curve] == [0, 5, 10, 15]
     # the objective falls on held-out windows, and the kept weights are its minimum (the tiny
@@ -135,6 +136,13 @@ def test_tuning_refuses_bad_settings_and_too_little_text(tiny_pair, mapper, text
         TuneConfig(steps=0)
     with pytest.raises(KVMapError, match="objective"):
         TuneConfig(objective="mse")
+    with pytest.raises(KVMapError, match="warmup"):
+        TuneConfig(warmup=-1)
     config = TuneConfig(steps=1, **{**TINY, "heldout_windows": 10_000})
     with pytest.raises(KVMapError, match="held-out calibration files give"):
         tune_mapper(mapper, *tiny_pair, [text_dir / "calib"], config)
+
+
+def test_warmup_raises_the_rate_linearly_then_holds_it():
+    assert [_warmup(3)(step) for step in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    assert [_warmup(0)(step) for step in range(3)] == [1.0, 1.0, 1.0]
