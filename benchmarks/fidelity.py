@@ -106,7 +106,7 @@ MIXED = {
 CONFIGS.update({name: CONFIGS[fitted] for name, (fitted, _, _) in MIXED.items()})
 # downstream tuning (``tune.tune_mapper``) after a configuration's fit: name -> (fit, tuning,
 # tuning text) ("-kl": on the KL divergence from the target's own predictions instead of the
-# NLL; "-lr-3e-4" / "-lr-3e-5": other relative rates than the default 1e-4; "-code": tuned on
+# NLL; "-lr-3e-4" / "-lr-3e-5": a relative rate other than the map family's; "-code": tuned on
 # the stdlib and the sources of sgl-kvmap's other dependencies, ``texts.code_corpus_files``,
 # instead of the stdlib alone)
 TUNING_TEXTS = {"": None, "-code": code_corpus_files}
@@ -118,7 +118,7 @@ TUNED = {
     for steps in (60, 120, 240)
     for text in TUNING_TEXTS
     for suffix, objective in (("", "nll"), ("-kl", "kl"))
-    for rate, lr in (("", TuneConfig.lr), ("-lr-3e-4", 3e-4), ("-lr-3e-5", 3e-5))
+    for rate, lr in (("", None), ("-lr-3e-4", 3e-4), ("-lr-3e-5", 3e-5))
 }  # fmt: skip
 CONFIGS.update({name: CONFIGS[fitted] for name, (fitted, _, _) in TUNED.items()})
 HELDOUT_SPLIT = "every 8th file"

@@ -10,7 +10,7 @@ import click
 from click.core import ParameterSource
 
 from .calibrate import AUTO_K, CalibrationConfig
-from .tune import OBJECTIVES, TuneConfig
+from .tune import FAMILY_RATES, OBJECTIVES, TuneConfig
 
 PACK_TOKENS = 131072  # `fit` builds packs to publish: the calibration budget that won on the pair
 PACK_RANK = "auto"  # reduced-rank maps beat k-layer maps at that budget (README: fidelity)
@@ -154,9 +154,9 @@ def main(verbose: bool) -> None:
 )
 @click.option(
     "--tune-lr",
-    default=TuneConfig.lr,
-    show_default=True,
-    help="Tuning's relative learning rate (`sgl-kvmap tune --lr`).",
+    type=float,
+    default=None,
+    help="Tuning's relative learning rate (`sgl-kvmap tune --lr`; default: the map family's).",
 )
 @click.option(
     "--tune-objective",
@@ -235,9 +235,11 @@ def fit(
 @click.option("--steps", default=TuneConfig.steps, show_default=True, help="Gradient steps.")
 @click.option(
     "--lr",
-    default=TuneConfig.lr,
-    show_default=True,
-    help="Relative Adam learning rate (each weight tensor's step: this x its RMS).",
+    type=float,
+    default=None,
+    help="Relative Adam learning rate (each weight tensor's step: this x its RMS). Default: "
+    + ", ".join(f"{rate:g} for {name} maps" for name, rate in FAMILY_RATES.items())
+    + ".",
 )
 @click.option(
     "--prompt-len",

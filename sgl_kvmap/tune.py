@@ -39,6 +39,11 @@ from .texts import calibration_windows
 from .transfer import handoff_split, mapped_prefix
 
 OBJECTIVES = ("nll", "kl")
+# the relative rate each map family takes when TuneConfig.lr is None: the rates that tuned the
+# real pair's maps smoothly (README: downstream tuning). A reduced-rank map's shared projection
+# moves every target layer at once, and 1e-4 threw it off (held-out NLL 1.085 -> 1.282 in 5
+# steps) where 2e-5 lowered it (1.065).
+FAMILY_RATES = {"k-layer": 1e-4, "reduced-rank": 3e-5}
 
 
 @dataclass(frozen=True)
@@ -51,7 +56,7 @@ class TuneConfig:
     Adam with a relative learning rate: each tensor's step size is ``lr`` x its RMS before
     tuning (a reduced-rank map's per-layer weights are ~10x smaller than a k-layer map's, and
     its biases of K ~100x larger: one absolute rate cannot suit them all; absolute 1e-5 wrecked
-    a rank-1,024 map in 15 steps).
+    a rank-1,024 map in 15 steps). ``lr=None``: the mapper family's rate (``FAMILY_RATES``).
     The rate rises linearly over the first ``warmup`` steps (Adam's first steps move every
     weight by about the full rate, whatever its gradient's size; at 1e-4 with no warmup five
     steps took a rank-1,024 map of the real pair from held-out NLL 1.085 to 1.282).
@@ -60,7 +65,7 @@ class TuneConfig:
     """
 
     steps: int = 60
-    lr: float = 1e-4
+    lr: float | None = None
     prompt_len: int = 1024
     continuation: int = 128
     eval_every: int = 15
@@ -77,8 +82,19 @@ class TuneConfig:
             raise KVMapError(f"need steps, eval_every and heldout_windows >= 1, got {self}")
         if self.warmup < 0:
             raise KVMapError(f"need warmup >= 0, got {self.warmup}")
-        if self.lr <= 0 or self.prompt_len < 2 or self.continuation < 1:
+        if (self.lr is not None and self.lr <= 0) or self.prompt_len < 2 or self.continuation < 1:
             raise KVMapError(f"need lr > 0, prompt_len >= 2 and continuation >= 1, got {self}")
+
+    def for_mapper(self, mapper: KVMapper) -> TuneConfig:
+        """This config with ``lr`` set to ``mapper``'s family rate if it is None."""
+        if self.lr is not None:
+            return self
+        return replace(self, lr=FAMILY_RATES[family(mapper)])
+
+
+def family(mapper: KVMapper) -> str:
+    """The map's family: "reduced-rank" (a shared projection) or "k-layer" (k source layers)."""
+    return "k-layer" if mapper.projections is None else "reduced-rank"
 
 
 @dataclass
@@ -134,6 +150,7 @@ def tune_mapper(
     the report. ``calibration``: text files/folders (default: the Python standard library's
     sources, as the fit reads them). ``mapper`` itself is left as it was."""
     check_models(mapper, source.spec, target.spec)
+    config = config.for_mapper(mapper)
     started = time.perf_counter()
     training, heldout = tuning_windows(source.tokenizer, calibration, config)
     scored = [(w, _source_cache(source, w, config), _teacher(target, w, config)) for w in heldout]

@@ -11,6 +11,7 @@ from sgl_kvmap.evaluate import EvalRuns, continuation_scores
 from sgl_kvmap.mapper import KVMapper
 from sgl_kvmap.transfer import handoff_split, translate_prefix
 from sgl_kvmap.tune import (
+    FAMILY_RATES,
     TuneConfig,
     _copy,
     _frozen,
@@ -146,3 +147,13 @@ def test_tuning_refuses_bad_settings_and_too_little_text(tiny_pair, mapper, text
 def test_warmup_raises_the_rate_linearly_then_holds_it():
     assert [_warmup(3)(step) for step in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
     assert [_warmup(0)(step) for step in range(3)] == [1.0, 1.0, 1.0]
+
+
+def test_the_default_rate_is_the_map_familys_and_is_recorded(tiny_pair, mapper, text_dir):
+    want = FAMILY_RATES["k-layer" if mapper.projections is None else "reduced-rank"]
+    assert TuneConfig().for_mapper(mapper).lr == want
+    assert TuneConfig(lr=1e-3).for_mapper(mapper).lr == 1e-3
+    config = TuneConfig(steps=1, **TINY)
+    tuned, report = tune_mapper(mapper, *tiny_pair, [text_dir / "calib"], config)
+    assert report.config.lr == want and report.summary()["tune_lr"] == want
+    assert tuned.info["calibration"]["tuning"]["lr"] == want
