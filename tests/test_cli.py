@@ -4,6 +4,7 @@ import pytest
 from click.testing import CliRunner
 
 from sgl_kvmap.cli import main
+from sgl_kvmap.tune import FAMILY_RATES
 
 from .conftest import save_loaded
 
@@ -32,6 +33,8 @@ def fitted_pack(model_dirs, text_dir, tmp_path_factory):
         "2",
         "--attention-power",
         "0.5",
+        "--tune-steps",
+        "0",
     ]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
@@ -103,9 +106,11 @@ def test_bad_top_k_is_a_usage_error(model_dirs, tmp_path):
     assert result.exit_code == 2 and "auto" in result.output
 
 
-def test_fit_defaults_to_an_auto_rank_pack(model_dirs, text_dir, tmp_path):
-    args = ["fit", *model_dirs, "--out", str(tmp_path / "p"), "--calibration",
-            str(text_dir / "calib"), "--tokens", "1024", "--window", "128"]  # fmt: skip
+def test_fit_defaults_to_an_auto_rank_pack_tuned_at_its_familys_rate(
+    model_dirs, text_dir, tmp_path
+):
+    args = ["fit", *model_dirs, "--out", str(tmp_path / "p"), "--calibration", str(text_dir),
+            "--tokens", "1024", "--window", "128"]  # fmt: skip
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     pack = json.loads((tmp_path / "p" / "kvmap.json").read_text())
@@ -113,6 +118,11 @@ def test_fit_defaults_to_an_auto_rank_pack(model_dirs, text_dir, tmp_path):
     assert pack["calibration"]["rank"] == "auto"
     # the guard chose by held-out R2 (which family wins depends on this repository's own text)
     assert pack["rank"] == summary["rank"]
+    tuning = pack["calibration"]["tuning"]
+    family = "k-layer" if pack["rank"] is None else "reduced-rank"
+    assert (tuning["steps"], tuning["warmup"]) == (60, 20)
+    assert tuning["lr"] == summary["tune_lr"] == FAMILY_RATES[family]
+    args += ["--tune-steps", "0"]
     fixed = CliRunner().invoke(main, [*args, "--rank", "96"])
     assert fixed.exit_code == 0, fixed.output
     assert json.loads((tmp_path / "p" / "kvmap.json").read_text())["rank"] == 96
