@@ -46,6 +46,7 @@ from sgl_kvmap.texts import (
     package_files,
     prompt_of_length,
     stdlib_docs_files,
+    stdlib_files,
 )
 from sgl_kvmap.timing import measure_speed
 from sgl_kvmap.transfer import Repair
@@ -109,10 +110,11 @@ CONFIGS.update({name: CONFIGS[fitted] for name, (fitted, _, _) in MIXED.items()}
 # NLL; "-lr-3e-4" / "-lr-3e-5": a relative rate other than the map family's; "-code": tuned on
 # the stdlib and the sources of sgl-kvmap's other dependencies, ``texts.code_corpus_files``,
 # instead of the stdlib alone)
-TUNING_TEXTS = {"": None, "-code": code_corpus_files}
+TUNING_TEXTS = {"": stdlib_files, "-code": code_corpus_files}  # explicit: rows stay reproducible
+TUNING_TEXT_NAMES = {"": "stdlib", "-code": "stdlib + dependency sources"}
 TUNED = {
     f"{fitted}-tune{text}{suffix}{rate}-{steps}": (
-        fitted, TuneConfig(steps=steps, objective=objective, lr=lr), TUNING_TEXTS[text]
+        fitted, TuneConfig(steps=steps, objective=objective, lr=lr), text
     )
     for fitted in ("128k-rank-auto", "128k-k-16", "16k-rank-auto", "128k-k-16+docs-16k")
     for steps in (60, 120, 240)
@@ -200,9 +202,9 @@ def main(
             mapper, fit, solve_seconds = fitted
             tuning = None
             if name in TUNED:
-                _, tune_config, tuning_text = TUNED[name]
-                text = tuning_text and tuning_text()
-                mapper, tuning = tune_mapper(mapper, source, target, text, tune_config)
+                _, tune_config, text = TUNED[name]
+                files = TUNING_TEXTS[text]()
+                mapper, tuning = tune_mapper(mapper, source, target, files, tune_config)
             if save_packs is not None:
                 mapper.save_pretrained(save_packs / name / direction.replace("->", "_to_"))
             reports = {
@@ -241,8 +243,9 @@ def main(
                 main_tail,
             )  # fmt: skip
             if tuning is not None:
-                text = "stdlib + dependency sources" if text else "stdlib"
-                row["tuning"] = {**tuning.summary(), "curve": tuning.curve, "text": text}
+                row["tuning"] = {
+                    **tuning.summary(), "curve": tuning.curve, "text": TUNING_TEXT_NAMES[text]
+                }  # fmt: skip
             if mixed is not None:
                 row["calibration"]["extra"] = {"text": CORPORA[mixed[1]], "tokens": mixed[2]}
             row["by_window"] = [

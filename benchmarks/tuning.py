@@ -9,7 +9,9 @@ steps on the same training windows and is scored on the same held-out calibratio
 windows are scored for the target on its own cache, the source alone and the target with no
 prefix, so each held-out NLL reads against what the swap should reach and what it must beat.
 This compares recipes cheaply; `benchmarks/fidelity.py` measures a chosen recipe on the
-evaluation text.
+evaluation text. The text is ``tune_mapper``'s default: the code corpus
+(``texts.code_corpus_files``); rows measured before it became the default read the stdlib
+alone.
 
 Writes benchmarks/results/tuning.json (rows keyed by name and recipe, newest win) and
 benchmarks/results/tuning.md. No asserts: benchmarks measure.

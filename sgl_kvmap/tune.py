@@ -35,7 +35,7 @@ from .errors import KVMapError
 from .fit import KINDS, LayerMap
 from .mapper import KVMapper
 from .pack import check_models
-from .texts import calibration_windows
+from .texts import calibration_windows, code_corpus_files
 from .transfer import handoff_split, mapped_prefix
 
 OBJECTIVES = ("nll", "kl")
@@ -147,8 +147,10 @@ def tune_mapper(
     config: TuneConfig = TuneConfig(),
 ) -> tuple[KVMapper, TuneReport]:
     """A copy of ``mapper`` tuned on the target's next-token loss over translated caches, and
-    the report. ``calibration``: text files/folders (default: the Python standard library's
-    sources, as the fit reads them). ``mapper`` itself is left as it was."""
+    the report. ``calibration``: text files/folders (default: ``texts.code_corpus_files``, the
+    standard library's sources and those of sgl-kvmap's dependencies: tuned on them, the real
+    pair's rank-1,024 map reached translated 0.738 / NLL 1.084 on the evaluation text, against
+    0.718 / 1.166 tuned on the stdlib alone). ``mapper`` itself is left as it was."""
     check_models(mapper, source.spec, target.spec)
     config = config.for_mapper(mapper)
     started = time.perf_counter()
@@ -193,9 +195,11 @@ def tune_mapper(
 
 def tuning_windows(tokenizer, calibration, config: TuneConfig):
     """(an iterator of training windows, a list of held-out windows), each ``[prompt_len +
-    continuation]`` token ids, from the calibration's training and held-out files."""
+    continuation]`` token ids, from the calibration's training and held-out files (default:
+    ``texts.code_corpus_files``, the stdlib and sgl-kvmap's dependencies' sources)."""
     length = config.prompt_len + config.continuation
-    train_files, heldout_files = calibration_files(calibration, config.heldout_every)
+    text = calibration or code_corpus_files()
+    train_files, heldout_files = calibration_files(text, config.heldout_every)
 
     def windows(files):
         return calibration_windows(tokenizer, files, length, 2**62, config.per_file_tokens)

@@ -1,4 +1,6 @@
 import json
+import sysconfig
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -109,8 +111,9 @@ def test_bad_top_k_is_a_usage_error(model_dirs, tmp_path):
 def test_fit_defaults_to_an_auto_rank_pack_tuned_at_its_familys_rate(
     model_dirs, text_dir, tmp_path
 ):
+    email = Path(sysconfig.get_paths()["stdlib"]) / "email"  # text for 120 tuning windows
     args = ["fit", *model_dirs, "--out", str(tmp_path / "p"), "--calibration", str(text_dir),
-            "--tokens", "1024", "--window", "128"]  # fmt: skip
+            "--calibration", str(email), "--tokens", "1024", "--window", "128"]  # fmt: skip
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     pack = json.loads((tmp_path / "p" / "kvmap.json").read_text())
@@ -120,7 +123,7 @@ def test_fit_defaults_to_an_auto_rank_pack_tuned_at_its_familys_rate(
     assert pack["rank"] == summary["rank"]
     tuning = pack["calibration"]["tuning"]
     family = "k-layer" if pack["rank"] is None else "reduced-rank"
-    assert (tuning["steps"], tuning["warmup"]) == (60, 20)
+    assert (tuning["steps"], tuning["warmup"]) == (120, 20)
     assert tuning["lr"] == summary["tune_lr"] == FAMILY_RATES[family]
     args += ["--tune-steps", "0"]
     fixed = CliRunner().invoke(main, [*args, "--rank", "96"])
