@@ -110,8 +110,11 @@ CONFIGS.update({name: CONFIGS[fitted] for name, (fitted, _, _) in MIXED.items()}
 # NLL; "-lr-3e-4" / "-lr-3e-5": a relative rate other than the map family's; "-code": tuned on
 # the stdlib and the sources of sgl-kvmap's other dependencies, ``texts.code_corpus_files``,
 # instead of the stdlib alone)
-TUNING_TEXTS = {"": stdlib_files, "-code": code_corpus_files}  # explicit: rows stay reproducible
-TUNING_TEXT_NAMES = {"": "stdlib", "-code": "stdlib + dependency sources"}
+# name suffix -> (label, files); explicit, so a row's name keeps meaning the text it was tuned on
+TUNING_TEXTS = {
+    "": ("stdlib", stdlib_files),
+    "-code": ("stdlib + dependency sources", code_corpus_files),
+}
 TUNED = {
     f"{fitted}-tune{text}{suffix}{rate}-{steps}": (
         fitted, TuneConfig(steps=steps, objective=objective, lr=lr), text
@@ -203,7 +206,7 @@ def main(
             tuning = None
             if name in TUNED:
                 _, tune_config, text = TUNED[name]
-                files = TUNING_TEXTS[text]()
+                files = TUNING_TEXTS[text][1]()
                 mapper, tuning = tune_mapper(mapper, source, target, files, tune_config)
             if save_packs is not None:
                 mapper.save_pretrained(save_packs / name / direction.replace("->", "_to_"))
@@ -244,7 +247,7 @@ def main(
             )  # fmt: skip
             if tuning is not None:
                 row["tuning"] = {
-                    **tuning.summary(), "curve": tuning.curve, "text": TUNING_TEXT_NAMES[text]
+                    **tuning.summary(), "curve": tuning.curve, "text": TUNING_TEXTS[text][0]
                 }  # fmt: skip
             if mixed is not None:
                 row["calibration"]["extra"] = {"text": CORPORA[mixed[1]], "tokens": mixed[2]}
