@@ -39,11 +39,10 @@ from sgl_kvmap.capture import load_model
 from sgl_kvmap.default_pair import LARGE, SMALL, cache_root, ensure_model
 from sgl_kvmap.evaluate import EvalRuns, evaluate
 from sgl_kvmap.texts import (
-    DEPENDENCY_PACKAGES,
     code_corpus_files,
     default_eval_files,
+    dependency_files,
     eval_sources,
-    package_files,
     prompt_of_length,
     stdlib_docs_files,
     stdlib_files,
@@ -293,7 +292,7 @@ def _corpus_files(corpus: str | None):
     if corpus == "docs":
         return stdlib_docs_files(cache_root() / "texts")
     if corpus == "deps":
-        return package_files(DEPENDENCY_PACKAGES)
+        return dependency_files()
     raise click.UsageError(f"unknown corpus {corpus!r}; known: {sorted(CORPORA)}")
 
 

@@ -162,7 +162,7 @@ def first_layer_kv(
         with torch.no_grad():
             model(
                 input_ids=input_ids[None],
-                position_ids=torch.arange(input_ids.numel())[None],
+                position_ids=torch.arange(input_ids.numel(), device=input_ids.device)[None],
                 use_cache=True,
                 **{_cache_argument(model): _first_layer_catcher()},
             )
@@ -279,7 +279,7 @@ def _scatter_rows(
 
 def _forward(model, ids: torch.Tensor, past: KVCache | None, keep: int, want_queries: bool):
     start = len(past) if past is not None else 0
-    positions = torch.arange(start, start + ids.numel())
+    positions = torch.arange(start, start + ids.numel(), device=ids.device)
     kwargs = dict(
         input_ids=ids[None],
         position_ids=positions[None],

@@ -50,6 +50,31 @@ def _rank_or_top_k(ctx: click.Context, rank: int | str | None) -> int | str | No
     return rank
 
 
+def _lr_option(flag: str):
+    """Tuning's learning rate, for `tune --lr` and `fit --tune-lr`."""
+    return click.option(
+        flag,
+        type=float,
+        default=None,
+        help="Tuning's relative Adam learning rate (each weight tensor's step: this x its RMS). "
+        "Default: "
+        + ", ".join(f"{rate:g} for {name} maps" for name, rate in FAMILY_RATES.items())
+        + ".",
+    )
+
+
+def _objective_option(flag: str):
+    """Tuning's loss, for `tune --objective` and `fit --tune-objective`."""
+    return click.option(
+        flag,
+        type=click.Choice(OBJECTIVES),
+        default=TuneConfig.objective,
+        show_default=True,
+        help="Tuning's loss. nll: cross-entropy on the true next tokens; kl: KL divergence from "
+        "the target's own next-token distribution (one more target forward per step).",
+    )
+
+
 def _top_k(value: str) -> int | str:
     if value in AUTO_K:
         return value
@@ -154,19 +179,8 @@ def main(verbose: bool) -> None:
     help="Then tune the fitted map for this many steps on the target's next-token loss over "
     "translated caches (`sgl-kvmap tune`; 0: the closed-form fit as it is).",
 )
-@click.option(
-    "--tune-lr",
-    type=float,
-    default=None,
-    help="Tuning's relative learning rate (`sgl-kvmap tune --lr`; default: the map family's).",
-)
-@click.option(
-    "--tune-objective",
-    type=click.Choice(OBJECTIVES),
-    default=TuneConfig.objective,
-    show_default=True,
-    help="Tuning's loss (`sgl-kvmap tune --objective`).",
-)
+@_lr_option("--tune-lr")
+@_objective_option("--tune-objective")
 @click.pass_context
 def fit(
     ctx,
@@ -232,17 +246,10 @@ def fit(
     multiple=True,
     type=click.Path(exists=True),
     help="Text file or folder (repeatable), split into training and held-out files as `fit` "
-    "splits them. Default: Python stdlib sources.",
+    "splits them. Default: the Python stdlib's sources and those of sgl-kvmap's dependencies.",
 )
 @click.option("--steps", default=TuneConfig.steps, show_default=True, help="Gradient steps.")
-@click.option(
-    "--lr",
-    type=float,
-    default=None,
-    help="Relative Adam learning rate (each weight tensor's step: this x its RMS). Default: "
-    + ", ".join(f"{rate:g} for {name} maps" for name, rate in FAMILY_RATES.items())
-    + ".",
-)
+@_lr_option("--lr")
 @click.option(
     "--prompt-len",
     default=TuneConfig.prompt_len,
@@ -261,14 +268,7 @@ def fit(
     show_default=True,
     help="Score held-out windows every N steps; the best weights are kept.",
 )
-@click.option(
-    "--objective",
-    type=click.Choice(OBJECTIVES),
-    default=TuneConfig.objective,
-    show_default=True,
-    help="nll: cross-entropy on the true next tokens; kl: KL divergence from the target's own "
-    "next-token distribution (one more target forward per step).",
-)
+@_objective_option("--objective")
 @click.option(
     "--warmup",
     default=TuneConfig.warmup,

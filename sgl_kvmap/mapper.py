@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -103,21 +103,19 @@ class KVMapper:
             tables_for_spec(self.target, positions),
         )
         features = {
-            "k": [
-                unrope(k.float(), src_tables, self.source.rope_style).reshape(t, -1)
-                for k in source_cache.keys
-            ],
-            "v": [v.float().reshape(t, -1) for v in source_cache.values],
+            "k": torch.cat(
+                [
+                    unrope(k.float(), src_tables, self.source.rope_style).reshape(t, -1)
+                    for k in source_cache.keys
+                ],
+                dim=1,
+            ),
+            "v": torch.cat([v.float().reshape(t, -1) for v in source_cache.values], dim=1),
         }
         mapped = {kind: [None] * self.target.num_layers for kind in KINDS}
-        for sources, layers in self._layer_groups().items():
-            for kind in KINDS:
-                x = torch.cat([features[kind][s] for s in sources], dim=1).to(matmul_dtype)
-                if self.projections is not None:
-                    x = x @ self._projection(kind, matmul_dtype)
-                weight, bias = self._stacked(kind, layers, matmul_dtype)
-                y_all = torch.addmm(bias, x, weight).float()
-                for layer, y in zip(layers, y_all.split(self.target.kv_width, dim=1)):
+        for kind in KINDS:
+            for layers, y_all in self.content_products(kind, features[kind].to(matmul_dtype)):
+                for layer, y in zip(layers, y_all.float().split(self.target.kv_width, dim=1)):
                     mapped[kind][layer] = y.reshape(
                         t, self.target.num_kv_heads, self.target.head_dim
                     )
@@ -127,6 +125,42 @@ class KVMapper:
         ]
         values = [v.to(source_cache.values[0].dtype) for v in mapped["v"]]
         return KVCache(keys, values, positions)
+
+    def to(self, device: torch.device | str) -> KVMapper:
+        """This mapper with its weights on ``device`` (a new mapper; this one is unchanged).
+        Pools translated on a GPU need the mapper there too."""
+        maps = {
+            kind: [LayerMap(m.weight.to(device), m.bias.to(device)) for m in layers]
+            for kind, layers in self.maps.items()
+        }
+        projections = (
+            None
+            if self.projections is None
+            else {kind: p.to(device) for kind, p in self.projections.items()}
+        )
+        return replace(self, maps=maps, projections=projections)
+
+    def content_products(
+        self, kind: str, features: torch.Tensor
+    ) -> list[tuple[list[int], torch.Tensor]]:
+        """The map's matrix products in content space, in ``features``' dtype.
+
+        features: [t, Ls * ws], every source layer's RoPE-free ``kind`` ("k" or "v") features,
+        layer-major (``ws`` = source kv_width). Returns one (target layers, [t, len(layers) *
+        wt]) pair per group of target layers that read the same source layers: the layers'
+        content-space outputs side by side, in the order listed. Shared by ``map`` and the
+        paged-pool kernels, so every backend runs the same products.
+        """
+        t, every = features.shape[0], tuple(range(self.source.num_layers))
+        per_layer = features.view(t, self.source.num_layers, self.source.kv_width)
+        products = []
+        for sources, layers in self._layer_groups().items():
+            x = features if sources == every else per_layer[:, list(sources)].reshape(t, -1)
+            if self.projections is not None:
+                x = x @ self._projection(kind, features.dtype)
+            weight, bias = self._stacked(kind, layers, features.dtype)
+            products.append((layers, torch.addmm(bias, x, weight)))
+        return products
 
     def _layer_groups(self) -> dict[tuple[int, ...], list[int]]:
         groups: dict[tuple[int, ...], list[int]] = {}

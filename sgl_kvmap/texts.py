@@ -61,10 +61,16 @@ def package_files(names: Iterable[str]) -> list[Path]:
     return files
 
 
+def dependency_files() -> list[Path]:
+    """The sources of sgl-kvmap's dependencies (DEPENDENCY_PACKAGES), never an evaluation
+    package's."""
+    return package_files(DEPENDENCY_PACKAGES)
+
+
 def code_corpus_files() -> list[Path]:
-    """The stdlib's sources and those of sgl-kvmap's other dependencies (DEPENDENCY_PACKAGES):
-    more kinds of code than the stdlib alone, still disjoint from ``default_eval_files``."""
-    return stdlib_files() + package_files(DEPENDENCY_PACKAGES)
+    """The stdlib's sources and its dependencies' (``dependency_files``): more kinds of code
+    than the stdlib alone, still disjoint from ``default_eval_files``."""
+    return stdlib_files() + dependency_files()
 
 
 def default_eval_files() -> list[Path]:

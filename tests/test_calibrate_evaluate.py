@@ -65,7 +65,10 @@ def test_self_map_evaluates_as_lossless(text_dir):
     assert report.source.nll == pytest.approx(report.reference.nll, abs=1e-4)
     assert min(report.r2_k) > 0.999 and min(report.r2_v) > 0.999
     assert min(report.attention_cosine) > 0.999
-    assert report.retention == pytest.approx(1.0) and report.gap_closed is None
+    # a random tiny model may score no token right on these windows: retention is then None
+    # by definition (the windows are this repository's sources, which change)
+    assert report.retention == (pytest.approx(1.0) if report.reference.accuracy else None)
+    assert report.gap_closed is None
 
 
 def test_evaluation_baselines_match_direct_runs(tiny_pair, text_dir):

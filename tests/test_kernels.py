@@ -1,51 +1,123 @@
-"""translate_pages against the reference map, on scattered slots of paged pools."""
+"""translate_pages against the reference map, on scattered slots of paged pools, through
+each backend: torch, and Triton (compiled on a GPU, else run by Triton's interpreter, which
+must then reproduce the reference exactly)."""
+
+import importlib.util
+import os
 
 import pytest
 import torch
 
-from sgl_kvmap.capture import capture_kv
-from sgl_kvmap.errors import KVMapError
-from sgl_kvmap.kernels import PagedKV, translate_pages
+if not torch.cuda.is_available():  # read when the Triton kernels are first imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from sgl_kvmap.capture import capture_kv  # noqa: E402
+from sgl_kvmap.errors import KVMapError  # noqa: E402
+from sgl_kvmap.kernels import PagedKV, translate_pages  # noqa: E402
+
+from .conftest import fit_tiny_mapper, tiny_model  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BACKENDS = [
+    "torch",
+    pytest.param(
+        "triton",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("triton") is None, reason="triton is not installed"
+        ),
+    ),
+]
 
 
-def pool(spec, slots: int, dtype=torch.float32) -> PagedKV:
+def pool(spec, slots: int, dtype=torch.float32, device="cpu") -> PagedKV:
     shape = (slots, spec.num_kv_heads, spec.head_dim)
     return PagedKV(
-        [torch.full(shape, float("nan"), dtype=dtype) for _ in range(spec.num_layers)],
-        [torch.full(shape, float("nan"), dtype=dtype) for _ in range(spec.num_layers)],
+        *(
+            [torch.full(shape, float("nan"), dtype=dtype, device=device) for _ in range(n)]
+            for n in (spec.num_layers, spec.num_layers)
+        )
     )
 
 
 @pytest.fixture(scope="module")
 def reduced_rank_mapper(tiny_pair):
-    from .conftest import fit_tiny_mapper
-
     return fit_tiny_mapper(*tiny_pair, rank=16)
 
 
+def assert_translated(mapper, source, target, backend, src_dtype, dst_dtype=None, tokens=40):
+    """Translate ``tokens`` of a real source cache between scattered slots of two pools on
+    DEVICE and compare every written slot with the reference map (cast as the op casts);
+    slots not written must stay untouched."""
+    dst_dtype = dst_dtype or src_dtype
+    mapper = mapper.to(DEVICE)
+    cache = capture_kv(source.model, torch.randint(0, 100, (tokens,)))
+    src_pool, dst_pool = (
+        pool(source.spec, 64, src_dtype, DEVICE),
+        pool(target.spec, 50, dst_dtype, DEVICE),
+    )
+    src_slots, dst_slots = torch.randperm(64)[:tokens], torch.randperm(50)[:tokens]
+    for buffer, layer in zip(src_pool.keys + src_pool.values, cache.keys + cache.values):
+        buffer[src_slots.to(DEVICE)] = layer.to(DEVICE, src_dtype)
+    reference = mapper.map(
+        type(cache)(
+            [k.to(DEVICE, src_dtype) for k in cache.keys],
+            [v.to(DEVICE, src_dtype) for v in cache.values],
+            cache.positions.to(DEVICE),
+        )
+    )
+    translate_pages(
+        mapper, src_pool, src_slots.to(DEVICE), dst_pool, dst_slots.to(DEVICE),
+        cache.positions.to(DEVICE), backend=backend,
+    )  # fmt: skip
+    # The torch body is the reference: exact. In float32 the interpreter runs the reference's
+    # operations one by one: exact too. A GPU may fuse multiply-adds, and the interpreter
+    # rounds float32 -> bfloat16 toward zero where torch (and a GPU) round to nearest: there
+    # the products' dtype bounds the difference.
+    exact = backend == "torch" or DEVICE == "cpu" and src_dtype == dst_dtype == torch.float32
+    for buffer, want in zip(dst_pool.keys + dst_pool.values, reference.keys + reference.values):
+        got = buffer[dst_slots.to(DEVICE)]
+        if exact:
+            torch.testing.assert_close(got, want.to(dst_dtype), rtol=0, atol=0)
+        else:
+            torch.testing.assert_close(got.float(), want.float(), **_tolerance(src_dtype))
+        untouched = torch.ones(50, dtype=torch.bool, device=DEVICE)
+        untouched[dst_slots.to(DEVICE)] = False
+        assert buffer[untouched].isnan().all()
+
+
+def _tolerance(dtype) -> dict:
+    return {"rtol": 2e-2, "atol": 2e-2} if dtype != torch.float32 else {"rtol": 1e-4, "atol": 1e-4}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", ["k-layer", "reduced-rank"])
 def test_scattered_slots_get_the_reference_translation(
-    tiny_pair, tiny_mapper, reduced_rank_mapper, dtype, family
+    tiny_pair, tiny_mapper, reduced_rank_mapper, dtype, family, backend
 ):
-    source, target = tiny_pair
     mapper = tiny_mapper if family == "k-layer" else reduced_rank_mapper
-    cache = capture_kv(source.model, torch.randint(0, 100, (40,)))
-    src_pool, dst_pool = pool(source.spec, 64, dtype), pool(target.spec, 50, dtype)
-    src_slots, dst_slots = torch.randperm(64)[:40], torch.randperm(50)[:40]
-    for buffer, layer in zip(src_pool.keys + src_pool.values, cache.keys + cache.values):
-        buffer[src_slots] = layer.to(dtype)
-    reference = mapper.map(
-        type(cache)(
-            [k.to(dtype) for k in cache.keys], [v.to(dtype) for v in cache.values], cache.positions
-        )
-    )
-    translate_pages(mapper, src_pool, src_slots, dst_pool, dst_slots, cache.positions)
-    for buffer, want in zip(dst_pool.keys + dst_pool.values, reference.keys + reference.values):
-        torch.testing.assert_close(buffer[dst_slots], want.to(dtype), rtol=0, atol=0)
-        untouched = torch.ones(50, dtype=torch.bool)
-        untouched[dst_slots] = False
-        assert buffer[untouched].isnan().all()
+    assert_translated(mapper, *tiny_pair, backend, dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pools_of_two_dtypes_round_as_the_reference(tiny_pair, tiny_mapper, backend):
+    """A bfloat16 source pool into a float32 target pool: products in bfloat16, the result
+    rounded to the source's dtype first, as ``KVMapper.map`` returns it."""
+    assert_translated(tiny_mapper, *tiny_pair, backend, torch.bfloat16, torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "kind", ["glm", "llama3"], ids=["interleaved-partial-rotary", "scaled-rope"]
+)
+def test_other_rope_layouts(kind, backend):
+    """Interleaved pairs over half the head (GLM) and Llama-3's scaled frequencies, a source
+    of another geometry (k-layer: one group per selection, several groups)."""
+    source = tiny_model(kind, seed=3)
+    target = tiny_model(kind, seed=4, layers=4, kv_heads=1, head_dim=32)
+    mapper = fit_tiny_mapper(source, target, top_k=1)
+    assert len({tuple(s) for s in mapper.selection}) > 1
+    assert_translated(mapper, source, target, backend, torch.float32, tokens=33)
 
 
 def test_positions_are_where_the_pages_sit_in_the_sequence(tiny_pair, tiny_mapper):
@@ -64,6 +136,16 @@ def test_positions_are_where_the_pages_sit_in_the_sequence(tiny_pair, tiny_mappe
 def test_wrong_pools_and_indices_are_refused(tiny_pair, tiny_mapper):
     source, target = tiny_pair
     slots = torch.arange(4)
+    with pytest.raises(KVMapError, match="backend must be one of"):
+        translate_pages(
+            tiny_mapper, pool(source.spec, 8), slots, pool(target.spec, 8), slots, slots,
+            backend="cuda",
+        )  # fmt: skip
+    with pytest.raises(KVMapError, match="one device"):
+        translate_pages(
+            tiny_mapper.to("meta"), pool(source.spec, 8), slots, pool(target.spec, 8), slots,
+            slots,
+        )  # fmt: skip
     with pytest.raises(KVMapError, match="pool geometry"):
         translate_pages(
             tiny_mapper, pool(target.spec, 8), slots, pool(target.spec, 8), slots, slots

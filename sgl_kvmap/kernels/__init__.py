@@ -1,6 +1,6 @@
-"""Operations on engines' paged KV pools. One public op per operation; callers never pick a
-backend (today: the torch reference; a fused Triton / fast CPU body can replace it)."""
+"""Operations on engines' paged KV pools. One public op per operation; its body is chosen by
+where the pools live (Triton for GPU pools, torch for host memory), never by the caller."""
 
-from .translate_pages import PagedKV, translate_pages
+from .translate_pages import BACKENDS, PagedKV, translate_pages
 
-__all__ = ["PagedKV", "translate_pages"]
+__all__ = ["BACKENDS", "PagedKV", "translate_pages"]

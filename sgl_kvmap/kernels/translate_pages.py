@@ -5,10 +5,16 @@ FlashInfer use can be viewed per layer as ``[slots, kv_heads, head_dim]`` (NHD w
 1, HiCache's host pages reshaped), so the op takes that view and slot indices, and works for
 any page size. Keys are post-RoPE on both sides; ``positions`` are the tokens' positions in
 the sequence (the source's keys were rotated at them and the target's are rotated at them).
+
+Two bodies, one op: pools on a GPU go through the Triton kernels (``triton_translate``: one
+launch gathers and unropes every layer, one ropes and scatters every layer, the matrix
+products between them on cuBLAS); pools in host memory, SGLang's HiCache pages among them,
+go through torch (MKL/oneDNN products, bfloat16 on AMX where the CPU has it).
 """
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +22,8 @@ import torch
 from ..capture import KVCache
 from ..errors import KVMapError
 from ..mapper import KVMapper
+
+BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass
@@ -38,14 +46,24 @@ def translate_pages(
     target: PagedKV,
     target_slots: torch.Tensor,
     positions: torch.Tensor,
+    *,
+    backend: str = "auto",
 ) -> None:
     """Write the translation of ``source`` slots into ``target`` slots, in place.
 
     source_slots, target_slots, positions: [tokens] int64. The source pool must have the
     mapper's source geometry and the target pool its target geometry (dtypes may differ;
-    math is float32, results are cast to the target pool's dtype).
+    RoPE is float32, the products run in the source pool's dtype if it is a 16-bit float,
+    and results are cast to the target pool's dtype), on the mapper's device. ``backend``:
+    "auto" (Triton for CUDA pools it can address, else torch) or one of them by name, for
+    benchmarks and tests ("triton" on CPU tensors needs ``TRITON_INTERPRET=1``).
     """
     _check(mapper, source, target, source_slots, target_slots, positions)
+    if _backend(backend, source, target) == "triton":
+        from . import triton_translate
+
+        triton_translate.translate(mapper, source, source_slots, target, target_slots, positions)
+        return
     cache = KVCache(
         [k[source_slots] for k in source.keys],
         [v[source_slots] for v in source.values],
@@ -55,6 +73,18 @@ def translate_pages(
     for pool, layers in ((target.keys, mapped.keys), (target.values, mapped.values)):
         for buffer, layer in zip(pool, layers):
             buffer[target_slots] = layer.to(buffer.dtype)
+
+
+def _backend(backend: str, source: PagedKV, target: PagedKV) -> str:
+    if backend not in BACKENDS:
+        raise KVMapError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    if not source.keys[0].is_cuda or importlib.util.find_spec("triton") is None:
+        return "torch"
+    from .triton_translate import supports
+
+    return "triton" if supports(source) and supports(target) else "torch"
 
 
 def _check(mapper, source, target, source_slots, target_slots, positions) -> None:
@@ -67,6 +97,13 @@ def _check(mapper, source, target, source_slots, target_slots, positions) -> Non
         raise KVMapError(
             f"pool geometry (layers, kv_heads, head_dim) source {got[0]} / target {got[1]} "
             f"does not match the mapper's {want[0]} / {want[1]}"
+        )
+    devices = {t.device for t in (source.keys[0], target.keys[0], mapper.maps["k"][0].weight)}
+    if len(devices) > 1:
+        raise KVMapError(
+            f"source pool on {source.keys[0].device}, target pool on {target.keys[0].device}, "
+            f"mapper on {mapper.maps['k'][0].weight.device}: put all three on one device "
+            "(KVMapper.to)"
         )
     if not source_slots.shape == target_slots.shape == positions.shape or source_slots.ndim != 1:
         raise KVMapError(

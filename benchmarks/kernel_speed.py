@@ -1,0 +1,222 @@
+"""translate_pages (Triton and torch bodies) against the target's re-prefill, side by side.
+
+    python benchmarks/kernel_speed.py [--device cuda] [--tokens 512 --tokens 2048 ...]
+
+The real pair's geometry (its two configs, benchmarks/configs/), randomly initialised: what a
+forward or a map costs does not depend on the weights' values. Mappers have the shapes
+`sgl-kvmap fit` writes (reduced-rank 1,024, the default, and k-layer k = 16, whose target
+layers each read their own 16 source layers), both directions, 4 sink tokens. Pools are
+SGLang's MHA token pools, one [slots, kv_heads, head_dim] buffer per layer, the prefix in
+scattered slots (page size 1: the worst gather), all in --dtype.
+
+Per prompt length, medians of --repeats (CUDA events on a GPU):
+- ``triton`` / ``torch``: translate_pages with that body, pool to pool;
+- ``layer0``: the target's own layer-0 KV (the fidelity rows' "layer 0 exact") and ``sinks``: a
+  forward of the target over its 4 sink tokens, both part of what a translated prefix costs;
+- ``prefill``: the target's forward over the prompt (transformers, SDPA attention).
+Ratios: prefill over the translate path with each body (translate + layer0 + sinks). Also
+the largest difference between the two bodies' outputs, relative to the outputs' largest
+magnitude. Writes benchmarks/results/kernel_speed.json (or --out). No asserts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import click
+import torch
+
+from sgl_kvmap.capture import first_layer_kv, run
+from sgl_kvmap.fit import KINDS, LayerMap
+from sgl_kvmap.kernels import PagedKV, translate_pages
+from sgl_kvmap.mapper import KVMapper
+from sgl_kvmap.spec import spec_from_config
+
+CONFIGS = Path(__file__).parent / "configs"
+RESULTS = Path(__file__).parent / "results"
+PAIR = ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
+SINK_TOKENS = 4
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # on a CPU: checks the script, not speed
+FAMILIES = {"rank-1024": {"rank": 1024}, "k-16": {"k": 16}}
+
+
+class _SharedVocab:
+    """The pair shares one tokenizer; a spec needs only its fingerprint here."""
+
+    def get_vocab(self) -> dict:
+        return {}
+
+
+def pair_config(name: str):
+    from transformers import AutoConfig
+
+    data = json.loads((CONFIGS / f"{name}.json").read_text())
+    return AutoConfig.for_model(data.pop("model_type"), **data)
+
+
+def random_mapper(source, target, rank: int | None = None, k: int | None = None) -> KVMapper:
+    """Random weights in a fitted mapper's shapes (float32, as packs store them)."""
+    generator = torch.Generator().manual_seed(0)
+    every = list(range(source.num_layers))
+    if rank is not None:
+        selection = [every] * target.num_layers
+        width = rank
+        features = source.num_layers * source.kv_width
+        projections = {
+            kind: torch.randn(features, rank, generator=generator) / math.sqrt(features)
+            for kind in KINDS
+        }
+    else:
+        selection = [
+            sorted(torch.randperm(source.num_layers, generator=generator)[:k].tolist())
+            for _ in range(target.num_layers)
+        ]
+        width, projections = k * source.kv_width, None
+    maps = {
+        kind: [
+            LayerMap(
+                torch.randn(width, target.kv_width, generator=generator) / math.sqrt(width),
+                torch.zeros(target.kv_width),
+            )
+            for _ in range(target.num_layers)
+        ]
+        for kind in KINDS
+    }
+    return KVMapper(
+        source, target, selection, maps, ridge=0.0, sink_tokens=SINK_TOKENS,
+        projections=projections,
+    )  # fmt: skip
+
+
+def token_pool(spec, slots: int, dtype, device) -> PagedKV:
+    shape = (slots, spec.num_kv_heads, spec.head_dim)
+    return PagedKV(
+        [torch.randn(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)],
+        [torch.randn(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)],
+    )
+
+
+def timed(fn, repeats: int, device: str) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs after two warm-ups."""
+    for _ in range(2):
+        fn()
+    seconds = []
+    for _ in range(repeats):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            seconds.append(start.elapsed_time(end) / 1e3)
+        else:
+            start = time.perf_counter()
+            fn()
+            seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
+@click.command()
+@click.option("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16")
+@click.option(
+    "--tokens", "token_counts", multiple=True, type=int, default=[512, 2048, 8192],
+    show_default=True,
+)  # fmt: skip
+@click.option("--repeats", default=20, show_default=True)
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=RESULTS)
+def main(device, dtype, token_counts, repeats, out) -> None:
+    dtype = getattr(torch, dtype)
+    configs = {name: pair_config(name) for name in PAIR}
+    specs = {name: spec_from_config(configs[name], _SharedVocab(), model_id=name) for name in PAIR}
+    rows = []
+    for source, target in (PAIR, PAIR[::-1]):
+        model = target_model(configs[target], dtype, device)
+        for tokens in token_counts:
+            for row in measure(specs[source], specs[target], model, tokens, repeats):
+                rows.append({"direction": f"{source} -> {target}", **row})
+                print(_line(rows[-1]))
+        del model
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    meta = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
+        "dtype": str(dtype),
+        "torch": torch.__version__,
+        "repeats": repeats,
+        "prefill": "transformers, SDPA attention, logits of the last token",
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "kernel_speed.json"
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+def target_model(config, dtype, device: str):
+    """The target, randomly initialised on ``device`` in ``dtype``."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation="sdpa"
+        ).eval()
+
+
+@torch.inference_mode()
+def measure(source, target, model, tokens: int, repeats: int) -> list[dict]:
+    """One row per mapper family for a prompt of ``tokens`` tokens (see the module doc)."""
+    device, dtype = model.device.type, model.dtype
+    ids = torch.randint(0, model.config.vocab_size, (tokens,), device=device)
+    common = {
+        "tokens": tokens,
+        "prefill_seconds": timed(lambda: run(model, ids, logits_to_keep=1), repeats, device),
+        "layer0_seconds": timed(lambda: first_layer_kv(model, ids), repeats, device),
+        "sinks_seconds": timed(lambda: run(model, ids[:SINK_TOKENS]), repeats, device),
+    }
+    slots = 2 * tokens
+    src_pool, dst_pool = (token_pool(spec, slots, dtype, device) for spec in (source, target))
+    src_slots, dst_slots = (torch.randperm(slots, device=device)[:tokens] for _ in range(2))
+    positions = torch.arange(tokens, device=device)
+    backends = ["triton", "torch"] if device == "cuda" or INTERPRETED else ["torch"]
+    rows = []
+    for family, shape in FAMILIES.items():
+        mapper = random_mapper(source, target, **shape).to(device)
+        row, outputs = {"mapper": family, **common}, {}
+        for backend in backends:
+            translate = lambda m=mapper, b=backend: translate_pages(  # noqa: E731
+                m, src_pool, src_slots, dst_pool, dst_slots, positions, backend=b
+            )
+            seconds = timed(translate, repeats, device)
+            outputs[backend] = torch.stack([k[dst_slots] for k in dst_pool.keys]).float()
+            path = seconds + common["layer0_seconds"] + common["sinks_seconds"]
+            row |= {
+                f"{backend}_seconds": seconds,
+                f"{backend}_translate_speedup": common["prefill_seconds"] / seconds,
+                f"{backend}_path_speedup": common["prefill_seconds"] / path,
+            }
+        if len(outputs) == 2:
+            diff = (outputs["triton"] - outputs["torch"]).abs().max()
+            row["triton_vs_torch_max_rel_diff"] = (diff / outputs["torch"].abs().max()).item()
+        rows.append(row)
+    return rows
+
+
+def _line(row: dict) -> str:
+    ms = lambda key: f"{row[key] * 1e3:.3f}" if key in row else "-"  # noqa: E731
+    ratio = lambda key: f"{row[key]:.1f}x" if key in row else "-"  # noqa: E731
+    return (
+        f"{row['direction']:<42} {row['mapper']:<9} {row['tokens']:>6} tok | ms: triton "
+        f"{ms('triton_seconds')} torch {ms('torch_seconds')} layer0 {ms('layer0_seconds')} "
+        f"sinks {ms('sinks_seconds')} prefill {ms('prefill_seconds')} | prefill / path: "
+        f"triton {ratio('triton_path_speedup')} torch {ratio('torch_path_speedup')}"
+    )
+
+
+if __name__ == "__main__":
+    main()
