@@ -108,21 +108,23 @@ CONFIGS.update({name: CONFIGS[fitted] for name, (fitted, _, _) in MIXED.items()}
 # tuning text) ("-kl": on the KL divergence from the target's own predictions instead of the
 # NLL; "-lr-3e-4" / "-lr-3e-5": a relative rate other than the map family's; "-code": tuned on
 # the stdlib and the sources of sgl-kvmap's other dependencies, ``texts.code_corpus_files``,
-# instead of the stdlib alone)
+# instead of the stdlib alone; "-tail": tuned and scored for the hand-off that recomputes the
+# 32-token tail, the table's main tail)
 # name suffix -> (label, files); explicit, so a row's name keeps meaning the text it was tuned on
 TUNING_TEXTS = {
     "": ("stdlib", stdlib_files),
     "-code": ("stdlib + dependency sources", code_corpus_files),
 }
 TUNED = {
-    f"{fitted}-tune{text}{suffix}{rate}-{steps}": (
-        fitted, TuneConfig(steps=steps, objective=objective, lr=lr), text
+    f"{fitted}-tune{text}{suffix}{rate}{tail_name}-{steps}": (
+        fitted, TuneConfig(steps=steps, objective=objective, lr=lr, tail=tail), text
     )
     for fitted in ("128k-rank-auto", "128k-k-16", "16k-rank-auto", "128k-k-16+docs-16k")
     for steps in (60, 120, 240)
     for text in TUNING_TEXTS
     for suffix, objective in (("", "nll"), ("-kl", "kl"))
     for rate, lr in (("", None), ("-lr-3e-4", 3e-4), ("-lr-3e-5", 3e-5))
+    for tail_name, tail in (("", 0), ("-tail", 32))
 }  # fmt: skip
 CONFIGS.update({name: CONFIGS[fitted] for name, (fitted, _, _) in TUNED.items()})
 HELDOUT_SPLIT = "every 8th file"

@@ -275,11 +275,18 @@ def fit(
     show_default=True,
     help="Steps over which the rate rises linearly to --lr.",
 )
+@click.option(
+    "--tail",
+    default=TuneConfig.tail,
+    show_default=True,
+    help="Prompt tokens the hand-off recomputes (`eval --tail`); the map is tuned and scored "
+    "for that hand-off.",
+)
 @click.option("--source", "source_path", default=None, help="Default: the pack's source.")
 @click.option("--target", "target_path", default=None, help="Default: the pack's target.")
 def tune(
     pack, out, calibration, steps, lr, prompt_len, continuation, eval_every, objective, warmup,
-    source_path, target_path,
+    tail, source_path, target_path,
 ) -> None:  # fmt: skip
     """Tune a pack's map on the target's next-token loss over translated caches, save a pack.
 
@@ -296,7 +303,7 @@ def tune(
     target = load_model(target_path or mapper.target.model_id)
     config = TuneConfig(
         steps=steps, lr=lr, prompt_len=prompt_len, continuation=continuation,
-        eval_every=eval_every, objective=objective, warmup=warmup,
+        eval_every=eval_every, objective=objective, warmup=warmup, tail=tail,
     )  # fmt: skip
     tuned, report = tune_mapper(mapper, source, target, list(calibration) or None, config)
     tuned.save_pretrained(out)

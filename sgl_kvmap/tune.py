@@ -60,6 +60,8 @@ class TuneConfig:
     The rate rises linearly over the first ``warmup`` steps (Adam's first steps move every
     weight by about the full rate, whatever its gradient's size; at 1e-4 with no warmup five
     steps took a rank-1,024 map of the real pair from held-out NLL 1.085 to 1.282).
+    ``tail``: the hand-off recomputes the prompt's last ``tail`` tokens (``transfer.handoff``'s
+    tail) in training and held-out scoring alike, so the map is tuned for that hand-off.
     Every ``eval_every`` steps (and at the end) the map is scored on ``heldout_windows``
     windows from the held-out files (every ``heldout_every``-th file, as the fit splits them).
     """
@@ -74,6 +76,7 @@ class TuneConfig:
     per_file_tokens: int = 4096
     objective: str = "nll"
     warmup: int = 20
+    tail: int = 0
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -82,6 +85,8 @@ class TuneConfig:
             raise KVMapError(f"need steps, eval_every and heldout_windows >= 1, got {self}")
         if self.warmup < 0:
             raise KVMapError(f"need warmup >= 0, got {self.warmup}")
+        if not 0 <= self.tail < self.prompt_len - 1:
+            raise KVMapError(f"need 0 <= tail < prompt_len - 1, got {self.tail}")
         if (self.lr is not None and self.lr <= 0) or self.prompt_len < 2 or self.continuation < 1:
             raise KVMapError(f"need lr > 0, prompt_len >= 2 and continuation >= 1, got {self}")
 
@@ -121,6 +126,7 @@ class TuneReport:
             "tune_steps": self.config.steps,
             "tune_lr": self.config.lr,
             "tune_objective": self.config.objective,
+            "tune_tail": self.config.tail,
             "tune_best_step": self.best_step,
             "tune_train_tokens": self.config.steps * self.config.continuation,
             "tune_heldout_nll_fitted": first["heldout_nll"],
@@ -163,7 +169,7 @@ def tune_mapper(
     report, best, losses = TuneReport(config), _copy(mapper), []
     with _frozen(target.model):
         report.curve.append(
-            {"step": 0, "train_loss": None, **_score(trainable, target, scored, config.prompt_len)}
+            {"step": 0, "train_loss": None, **_score(trainable, target, scored, config)}
         )
         for step in tqdm(range(1, config.steps + 1), desc="tuning", unit="step"):
             window = next(training, None)
@@ -172,7 +178,7 @@ def tune_mapper(
             cache = _source_cache(source, window, config)
             teacher = _teacher(target, window, config)
             loss, _ = continuation_loss(
-                trainable, target, cache, window, config.prompt_len, teacher
+                trainable, target, cache, window, config.prompt_len, teacher, config.tail
             )
             optimizer.zero_grad()
             loss.backward()
@@ -181,9 +187,7 @@ def tune_mapper(
             losses.append(loss.item())
             if step % config.eval_every == 0 or step == config.steps:
                 point = {"step": step, "train_loss": sum(losses) / len(losses)}
-                report.curve.append(
-                    {**point, **_score(trainable, target, scored, config.prompt_len)}
-                )
+                report.curve.append({**point, **_score(trainable, target, scored, config)})
                 losses = []
                 if report.curve[-1][guard] < report.best[guard]:
                     report.best_step, best = step, _copy(trainable)
@@ -220,15 +224,17 @@ def continuation_loss(
     window: torch.Tensor,
     prompt_len: int,
     teacher: torch.Tensor | None = None,
+    tail: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, top-1 accuracy) of ``target`` on ``window[prompt_len:]`` after a hand-off of
-    ``window[:prompt_len]`` with no tail: the source's cache of the first ``prompt_len - 1``
-    tokens (``source_cache``) translated, the target's own layer 0 and sink tokens, the last
-    prompt token and the continuation read by the target. The loss is the mean cross-entropy on
-    the true tokens, or with ``teacher`` ([C, vocab] log-probabilities, ``own_log_probs``) the
-    mean KL divergence KL(teacher || target on the translated cache) per token.
-    Differentiable in the mapper's weights. window: [prompt_len + C] token ids."""
-    logits = handoff_logits(mapper, target, source_cache, window, prompt_len)
+    ``window[:prompt_len]`` with ``tail`` recomputed tokens: the source's cache
+    (``source_cache``, at least the first ``handoff_split(prompt_len, tail)`` tokens) of the
+    translated tokens translated, the target's own layer 0 and sink tokens, then the tail, the
+    last prompt token and the continuation read by the target. The loss is the mean
+    cross-entropy on the true tokens, or with ``teacher`` ([C, vocab] log-probabilities,
+    ``own_log_probs``) the mean KL divergence KL(teacher || target on the translated cache) per
+    token. Differentiable in the mapper's weights. window: [prompt_len + C] token ids."""
+    logits = handoff_logits(mapper, target, source_cache, window, prompt_len, tail)
     nll, accuracy = _nll_and_accuracy(logits, window[prompt_len:])
     return (nll if teacher is None else _divergence(logits, teacher)), accuracy
 
@@ -239,15 +245,17 @@ def handoff_logits(
     source_cache: KVCache,
     window: torch.Tensor,
     prompt_len: int,
+    tail: int = 0,
 ) -> torch.Tensor:
-    """[C, vocab] logits of ``target`` predicting ``window[prompt_len:]`` after the no-tail
-    hand-off that ``continuation_loss`` describes (differentiable in the mapper's weights)."""
-    split = handoff_split(prompt_len, 0)
+    """[C, vocab] logits of ``target`` predicting ``window[prompt_len:]`` after the hand-off
+    that ``continuation_loss`` describes (differentiable in the mapper's weights)."""
+    split = handoff_split(prompt_len, tail)
     translated = mapped_prefix(mapper, source_cache.slice(0, split), window[:split], target.model)
     sinks = min(mapper.sink_tokens, split)
     if sinks:
         translated = translated.replace_front(capture_kv(target.model, window[:sinks]))
-    return logits_over(target.model, translated, window[split:])[:-1]
+    # the logits of positions prompt_len - 1 .. end - 1 predict window[prompt_len:]
+    return logits_over(target.model, translated, window[split:])[prompt_len - 1 - split : -1]
 
 
 def _nll_and_accuracy(logits: torch.Tensor, labels: torch.Tensor):
@@ -279,20 +287,20 @@ def _teacher(target: LoadedModel, window: torch.Tensor, config: TuneConfig):
 def _source_cache(source: LoadedModel, window: torch.Tensor, config: TuneConfig) -> KVCache:
     """The source's cache of the translated part of the window's prompt, as ordinary tensors
     (``capture_kv`` returns inference tensors, which autograd may not save)."""
-    cache = capture_kv(source.model, window[: handoff_split(config.prompt_len, 0)])
+    cache = capture_kv(source.model, window[: handoff_split(config.prompt_len, config.tail)])
     return KVCache([k.clone() for k in cache.keys], [v.clone() for v in cache.values],
                    cache.positions.clone())  # fmt: skip
 
 
-def _score(mapper: KVMapper, target: LoadedModel, scored: list, prompt_len: int) -> dict:
+def _score(mapper: KVMapper, target: LoadedModel, scored: list, config: TuneConfig) -> dict:
     """Mean held-out NLL and accuracy over (window, source cache, teacher) triples, and the mean
     KL divergence from the teachers where they are given (objective "kl"); one target forward
     per window."""
     nll, accuracy, divergence = [], [], []
     with torch.no_grad():
         for window, cache, teacher in scored:
-            logits = handoff_logits(mapper, target, cache, window, prompt_len)
-            window_nll, window_accuracy = _nll_and_accuracy(logits, window[prompt_len:])
+            logits = handoff_logits(mapper, target, cache, window, config.prompt_len, config.tail)
+            window_nll, window_accuracy = _nll_and_accuracy(logits, window[config.prompt_len :])
             nll.append(window_nll.item())
             accuracy.append(window_accuracy.item())
             if teacher is not None:

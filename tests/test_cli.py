@@ -143,7 +143,7 @@ def test_tune_writes_a_tuned_pack_and_its_curve(fitted_pack, text_dir, tmp_path)
     args = ["tune", str(fitted_pack[0]), "--out", str(tmp_path / "t"), "--calibration",
             str(text_dir / "calib"), "--steps", "4", "--eval-every", "2", "--prompt-len", "48",
             "--continuation", "16", "--lr", "1e-2", "--objective", "kl",
-            "--warmup", "1"]  # fmt: skip
+            "--warmup", "1", "--tail", "4"]  # fmt: skip
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout[: result.stdout.rindex("}") + 1])
@@ -153,6 +153,7 @@ def test_tune_writes_a_tuned_pack_and_its_curve(fitted_pack, text_dir, tmp_path)
     assert pack["calibration"]["tuning"]["steps"] == 4
     assert pack["calibration"]["tuning"]["objective"] == "kl"
     assert pack["calibration"]["tuning"]["warmup"] == 1
+    assert pack["calibration"]["tuning"]["tail"] == 4
     assert pack["calibration"]["heldout_every"] == 8  # the fit's recipe is kept beside it
     assert pack["metrics"]["tune_best_step"] == summary["tune_best_step"]
 

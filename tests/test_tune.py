@@ -33,16 +33,18 @@ def mapper(request, tiny_pair):
     return dataclasses.replace(fitted, sink_tokens=2)
 
 
-def test_training_loss_is_the_evaluated_handoff_loss(tiny_pair, mapper):
+@pytest.mark.parametrize("tail", [0, 8])
+def test_training_loss_is_the_evaluated_handoff_loss(tiny_pair, mapper, tail):
     """continuation_loss emulates the hand-off with autograd on; it must score exactly what the
-    evaluation scores for a hand-off with no tail (sinks recomputed over the mapped cache)."""
+    evaluation scores for a hand-off with that tail (sinks recomputed over the mapped cache,
+    the tail read by the target over it)."""
     source, target = tiny_pair
     window = torch.randint(0, 100, (64,), generator=torch.Generator().manual_seed(3))
     prompt_len = 48
-    split = handoff_split(prompt_len, 0)
+    split = handoff_split(prompt_len, tail)
     cache = capture_kv(source.model, window[:split])
     with torch.no_grad():
-        nll, accuracy = continuation_loss(mapper, target, cache, window, prompt_len)
+        nll, accuracy = continuation_loss(mapper, target, cache, window, prompt_len, tail=tail)
     translated = translate_prefix(mapper, cache, window[:split], target.model)
     correct, nlls = continuation_scores(target.model, translated, window, prompt_len)
     torch.testing.assert_close(nll, nlls.mean(), rtol=1e-4, atol=1e-5)
@@ -139,6 +141,8 @@ def test_tuning_refuses_bad_settings_and_too_little_text(tiny_pair, mapper, text
         TuneConfig(objective="mse")
     with pytest.raises(KVMapError, match="warmup"):
         TuneConfig(warmup=-1)
+    with pytest.raises(KVMapError, match="tail"):
+        TuneConfig(prompt_len=64, tail=63)
     config = TuneConfig(steps=1, **{**TINY, "heldout_windows": 10_000})
     with pytest.raises(KVMapError, match="held-out calibration files give"):
         tune_mapper(mapper, *tiny_pair, [text_dir / "calib"], config)
@@ -157,3 +161,16 @@ def test_the_default_rate_is_the_map_familys_and_is_recorded(tiny_pair, mapper, 
     tuned, report = tune_mapper(mapper, *tiny_pair, [text_dir / "calib"], config)
     assert report.config.lr == want and report.summary()["tune_lr"] == want
     assert tuned.info["calibration"]["tuning"]["lr"] == want
+
+
+def test_a_tail_is_tuned_for_and_recorded(tiny_pair, mapper, text_dir):
+    """With a tail the held-out scores are those of the hand-off with that tail, and the pack
+    records it."""
+    config = TuneConfig(steps=1, warmup=0, tail=8, **TINY)
+    tuned, report = tune_mapper(mapper, *tiny_pair, [text_dir / "calib"], config)
+    assert tuned.info["calibration"]["tuning"]["tail"] == 8
+    assert tuned.info["metrics"]["tune_tail"] == 8
+    no_tail = tune_mapper(
+        mapper, *tiny_pair, [text_dir / "calib"], dataclasses.replace(config, tail=0)
+    )[1]
+    assert report.curve[0]["heldout_nll"] != no_tail.curve[0]["heldout_nll"]
