@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -138,7 +139,7 @@ class KVMapper:
             if self.projections is None
             else {kind: p.to(device) for kind, p in self.projections.items()}
         )
-        return replace(self, maps=maps, projections=projections)
+        return replace(self, maps=maps, projections=projections, info=copy.deepcopy(self.info))
 
     def content_products(
         self, kind: str, features: torch.Tensor

@@ -252,3 +252,21 @@ def test_bad_ranks_are_refused(low_rank_problem):
             CalibrationConfig(rank=bad)
     with pytest.raises(KVMapError, match="rank must be in"):
         fit_from_statistics(stats, CalibrationConfig(rank=10_000))
+
+
+def test_to_moves_every_weight_and_leaves_the_original(tiny_pair):
+    """A reduced-rank mapper moved to another device carries its maps and projections there
+    and a copy of its recorded info; moved back it maps exactly as before."""
+    from .conftest import fit_tiny_mapper
+
+    mapper = fit_tiny_mapper(*tiny_pair, rank=16)
+    moved = mapper.to("meta")
+    tensors = [t for layers in moved.maps.values() for m in layers for t in (m.weight, m.bias)]
+    assert all(t.is_meta for t in tensors + list(moved.projections.values()))
+    assert not mapper.maps["k"][0].weight.is_meta and not mapper.projections["k"].is_meta
+    moved.info["touched"] = True
+    assert "touched" not in mapper.info
+    cache = capture_kv(tiny_pair[0].model, torch.randint(0, 100, (20,)))
+    back, before = mapper.to("cpu").map(cache), mapper.map(cache)
+    for got, want in zip(back.keys + back.values, before.keys + before.values):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
