@@ -16,6 +16,12 @@ from .rope import rope, tables_for_spec, unrope
 from .spec import ModelSpec
 
 
+def default_matmul_dtype(cache_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a map's matrix products run in for a cache of ``cache_dtype``: the cache's own
+    if it is a 16-bit float (as an engine's GEMMs run), else float32."""
+    return cache_dtype if cache_dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
 @dataclass
 class KVMapper:
     """Maps source KV (post-RoPE) to target KV (post-RoPE) through RoPE-free content space.
@@ -95,9 +101,7 @@ class KVMapper:
         when they require grad (``tune.tune_mapper`` trains them).
         """
         self._check_source(source_cache)
-        if matmul_dtype is None:
-            half = source_cache.keys[0].dtype in (torch.bfloat16, torch.float16)
-            matmul_dtype = source_cache.keys[0].dtype if half else torch.float32
+        matmul_dtype = matmul_dtype or default_matmul_dtype(source_cache.keys[0].dtype)
         positions, t = source_cache.positions, len(source_cache)
         src_tables, tgt_tables = (
             tables_for_spec(self.source, positions),

@@ -141,6 +141,14 @@ def test_wrong_pools_and_indices_are_refused(tiny_pair, tiny_mapper):
             tiny_mapper, pool(source.spec, 8), slots, pool(target.spec, 8), slots, slots,
             backend="cuda",
         )  # fmt: skip
+    if importlib.util.find_spec("triton") is not None:
+        strided = pool(target.spec, 8)
+        strided.keys[0] = torch.full((16, *strided.keys[0].shape[1:]), 0.0)[::2]
+        with pytest.raises(KVMapError, match="target pool's layers"):
+            translate_pages(
+                tiny_mapper, pool(source.spec, 8), slots, strided, slots, slots,
+                backend="triton",
+            )  # fmt: skip
     with pytest.raises(KVMapError, match="one device"):
         translate_pages(
             tiny_mapper.to("meta"), pool(source.spec, 8), slots, pool(target.spec, 8), slots,

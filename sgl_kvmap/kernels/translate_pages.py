@@ -76,15 +76,28 @@ def translate_pages(
 
 
 def _backend(backend: str, source: PagedKV, target: PagedKV) -> str:
+    """The body to run: "auto" takes Triton for CUDA pools it can address; "triton" by name
+    refuses pools it cannot."""
     if backend not in BACKENDS:
         raise KVMapError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend != "auto":
+    if backend == "torch":
         return backend
-    if not source.keys[0].is_cuda or importlib.util.find_spec("triton") is None:
+    if backend == "auto" and (
+        not source.keys[0].is_cuda or importlib.util.find_spec("triton") is None
+    ):
         return "torch"
     from .triton_translate import supports
 
-    return "triton" if supports(source) and supports(target) else "torch"
+    unsupported = [name for name, pool in (("source", source), ("target", target))
+                   if not supports(pool)]  # fmt: skip
+    if not unsupported:
+        return "triton"
+    if backend == "auto":
+        return "torch"
+    raise KVMapError(
+        f"the Triton kernels need the {unsupported[0]} pool's layers in one float dtype on one "
+        "device, each [slots, heads, dim] with dense rows and one slot stride"
+    )
 
 
 def _check(mapper, source, target, source_slots, target_slots, positions) -> None:

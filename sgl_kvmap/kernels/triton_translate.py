@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ..errors import KVMapError
+from ..mapper import default_matmul_dtype
 from ..rope import tables_for_spec
 
 TOKENS_PER_PROGRAM = 16
@@ -116,20 +117,15 @@ def supports(pool) -> bool:
 
 
 def translate(mapper, source, source_slots, target, target_slots, positions) -> None:
-    """``translate_pages`` on Triton (arguments as there, already checked)."""
-    for pool, name in ((source, "source"), (target, "target")):
-        if not supports(pool):
-            raise KVMapError(
-                f"the Triton kernels need the {name} pool's layers in one float dtype on one "
-                "device, each [slots, heads, dim] with dense rows and one slot stride"
-            )
+    """``translate_pages`` on Triton (arguments as there, already checked, both pools
+    ``supports``-ed)."""
     if not source.keys[0].is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise KVMapError("Triton runs CUDA pools, or CPU tensors under TRITON_INTERPRET=1")
     tokens = positions.numel()
     if tokens == 0:
         return
     pool_dtype = source.keys[0].dtype
-    matmul_dtype = pool_dtype if pool_dtype in (torch.bfloat16, torch.float16) else torch.float32
+    matmul_dtype = default_matmul_dtype(pool_dtype)
     device = source.keys[0].device
     src_tables, tgt_tables = (
         [table.contiguous() for table in tables_for_spec(spec, positions.to(device))]
