@@ -19,6 +19,7 @@ against recomputed tokens). No asserts: benchmarks measure.
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -104,29 +105,68 @@ MIXED = {
     for tokens in (16384, 32768)
 }
 CONFIGS.update({name: CONFIGS[fitted] for name, (fitted, _, _) in MIXED.items()})
-# downstream tuning (``tune.tune_mapper``) after a configuration's fit: name -> (fit, tuning,
-# tuning text) ("-kl": on the KL divergence from the target's own predictions instead of the
-# NLL; "-lr-3e-4" / "-lr-3e-5": a relative rate other than the map family's; "-code": tuned on
-# the stdlib and the sources of sgl-kvmap's other dependencies, ``texts.code_corpus_files``,
-# instead of the stdlib alone; "-tail": tuned and scored for the hand-off that recomputes the
-# 32-token tail, the table's main tail)
-# name suffix -> (label, files); explicit, so a row's name keeps meaning the text it was tuned on
+# downstream tuning (``tune.tune_mapper``) after a fitted configuration, named
+# FIT-tune[-code][-kl][-lr-RATE][-tail]-STEPS: "-code" tunes on the stdlib and the sources of
+# sgl-kvmap's other dependencies (``texts.code_corpus_files``) instead of the stdlib alone;
+# "-kl" on the KL divergence from the target's own predictions instead of the NLL; "-lr-RATE"
+# at a relative rate other than the map family's; "-tail" tunes and scores the hand-off that
+# recomputes the 32-token tail, the table's main tail
+# name part -> (label, files); explicit, so a row's name keeps meaning the text it was tuned on
 TUNING_TEXTS = {
     "": ("stdlib", stdlib_files),
     "-code": ("stdlib + dependency sources", code_corpus_files),
 }
-TUNED = {
-    f"{fitted}-tune{text}{suffix}{rate}{tail_name}-{steps}": (
-        fitted, TuneConfig(steps=steps, objective=objective, lr=lr, tail=tail), text
+TUNED_NAME = re.compile(
+    r"(?P<fitted>.+)-tune(?P<text>-code)?(?P<kl>-kl)?(?:-lr-(?P<lr>\d+(?:\.\d+)?e-\d+))?"
+    r"(?P<tail>-tail)?-(?P<steps>[1-9]\d*)"
+)
+TUNE_TAIL = 32
+
+
+def tuned_spec(name: str) -> tuple[str, TuneConfig, str] | None:
+    """(fitted configuration, tuning, tuning-text key) of a tuned name; None for a fitted one.
+
+    >>> tuned_spec("128k-rank-auto-tune-code-lr-3e-5-120")[1].lr
+    3e-05
+    """
+    match = TUNED_NAME.fullmatch(name)
+    if match is None or match["fitted"] not in CONFIGS:
+        return None
+    tuning = TuneConfig(
+        steps=int(match["steps"]),
+        objective="kl" if match["kl"] else "nll",
+        lr=float(match["lr"]) if match["lr"] else None,
+        tail=TUNE_TAIL if match["tail"] else 0,
     )
-    for fitted in ("128k-rank-auto", "128k-k-16", "16k-rank-auto", "128k-k-16+docs-16k")
-    for steps in (60, 120, 240)
-    for text in TUNING_TEXTS
-    for suffix, objective in (("", "nll"), ("-kl", "kl"))
-    for rate, lr in (("", None), ("-lr-3e-4", 3e-4), ("-lr-3e-5", 3e-5))
-    for tail_name, tail in (("", 0), ("-tail", 32))
-}  # fmt: skip
-CONFIGS.update({name: CONFIGS[fitted] for name, (fitted, _, _) in TUNED.items()})
+    return match["fitted"], tuning, match["text"] or ""
+
+
+def config_for(name: str) -> CalibrationConfig:
+    """The calibration of a configuration name, fitted or tuned; a clear error otherwise."""
+    spec = tuned_spec(name)
+    if spec is not None:
+        return CONFIGS[spec[0]]
+    if name not in CONFIGS:
+        raise click.BadParameter(
+            f"unknown configuration {name!r}; fitted ones: {', '.join(sorted(CONFIGS))}; "
+            "tuned ones: FIT-tune[-code][-kl][-lr-RATE][-tail]-STEPS"
+        )
+    return CONFIGS[name]
+
+
+class ConfigName(click.ParamType):
+    """A fitted configuration (a CONFIGS key) or a tuned one (see ``tuned_spec``)."""
+
+    name = "CONFIG"
+
+    def convert(self, value, param, ctx):
+        try:
+            config_for(value)
+        except click.BadParameter as error:
+            self.fail(error.message, param, ctx)
+        return value
+
+
 HELDOUT_SPLIT = "every 8th file"
 # token weightings: unweighted for both directions, the attention-weighted ones for 0.5B->1.5B
 # only (each direction's statistics take GBs)
@@ -146,7 +186,7 @@ def _repair(ctx, param, value: str | None) -> Repair | None:
 
 
 @click.command()
-@click.argument("names", nargs=-1, required=True, type=click.Choice(sorted(CONFIGS)))
+@click.argument("names", nargs=-1, required=True, type=ConfigName())
 @click.option("--windows", default=16, show_default=True, help="Evaluation windows.")
 @click.option("--prefix-len", default=1024, show_default=True)
 @click.option("--continuation", default=64, show_default=True)
@@ -174,6 +214,8 @@ def main(
     names, windows, prefix_len, continuation, tails, main_tail, speed_tokens, directions, repair,
     save_packs,
 ):  # fmt: skip
+    """Run each configuration NAME: a fitted one (CONFIGS) or a tuned one,
+    FIT-tune[-code][-kl][-lr-RATE][-tail]-STEPS."""
     tails = sorted({0, main_tail, *map(int, tails.split(","))})
     small, large = load_model(str(ensure_model(SMALL))), load_model(str(ensure_model(LARGE)))
     sources = eval_sources(
@@ -184,9 +226,9 @@ def main(
     prompt = prompt_of_length(large.tokenizer, speed_tokens)
     prefill_seconds: dict[str, float] = {}
     for name in names:
-        config = CONFIGS[name]
+        config, tuned = config_for(name), tuned_spec(name)
         state = statistics_for(small, large, config)
-        mixed = MIXED.get(TUNED[name][0] if name in TUNED else name)  # (fit, corpus, tokens)
+        mixed = MIXED.get(tuned[0] if tuned is not None else name)  # (fit, corpus, tokens)
         if mixed is not None:
             extra = statistics_for(small, large, replace(config, tokens=mixed[2]), mixed[1])
             state, extra = state.merged(extra), None
@@ -205,8 +247,8 @@ def main(
                 continue  # not asked for, or this weighting was captured for one direction only
             mapper, fit, solve_seconds = fitted
             tuning = None
-            if name in TUNED:
-                _, tune_config, text = TUNED[name]
+            if tuned is not None:
+                _, tune_config, text = tuned
                 files = TUNING_TEXTS[text][1]()
                 mapper, tuning = tune_mapper(mapper, source, target, files, tune_config)
             if save_packs is not None:

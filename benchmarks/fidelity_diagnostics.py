@@ -44,7 +44,7 @@ from pathlib import Path
 
 import click
 import torch
-from fidelity import CONFIGS, DIRECTIONS, RESULTS, _timed_fit, statistics_for
+from fidelity import CONFIGS, DIRECTIONS, RESULTS, ConfigName, _timed_fit, statistics_for
 from tqdm.auto import tqdm
 
 from sgl_kvmap.capture import KVCache, load_model, recompute_tokens, run
@@ -92,7 +92,7 @@ LAYER0 = "exact"  # translated caches carry the target's own layer 0 (transfer.t
 )
 @click.option(
     "--worst-from",
-    type=click.Choice(sorted(CONFIGS)),
+    type=ConfigName(),
     help="fidelity.py row whose per-layer cosine names the worst layers [NAME].",
 )
 @click.option(

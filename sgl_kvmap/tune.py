@@ -234,9 +234,18 @@ def continuation_loss(
     cross-entropy on the true tokens, or with ``teacher`` ([C, vocab] log-probabilities,
     ``own_log_probs``) the mean KL divergence KL(teacher || target on the translated cache) per
     token. Differentiable in the mapper's weights. window: [prompt_len + C] token ids."""
+    nll, accuracy, divergence = _handoff_scores(
+        mapper, target, source_cache, window, prompt_len, teacher, tail
+    )
+    return (nll if teacher is None else divergence), accuracy
+
+
+def _handoff_scores(mapper, target, source_cache, window, prompt_len, teacher, tail):
+    """(NLL, top-1 accuracy, KL divergence from ``teacher`` or None) of one hand-off's
+    continuation, from one target forward (``handoff_logits``)."""
     logits = handoff_logits(mapper, target, source_cache, window, prompt_len, tail)
     nll, accuracy = _nll_and_accuracy(logits, window[prompt_len:])
-    return (nll if teacher is None else _divergence(logits, teacher)), accuracy
+    return nll, accuracy, (None if teacher is None else _divergence(logits, teacher))
 
 
 def handoff_logits(
@@ -299,12 +308,13 @@ def _score(mapper: KVMapper, target: LoadedModel, scored: list, config: TuneConf
     nll, accuracy, divergence = [], [], []
     with torch.no_grad():
         for window, cache, teacher in scored:
-            logits = handoff_logits(mapper, target, cache, window, config.prompt_len, config.tail)
-            window_nll, window_accuracy = _nll_and_accuracy(logits, window[config.prompt_len :])
+            window_nll, window_accuracy, window_divergence = _handoff_scores(
+                mapper, target, cache, window, config.prompt_len, teacher, config.tail
+            )
             nll.append(window_nll.item())
             accuracy.append(window_accuracy.item())
-            if teacher is not None:
-                divergence.append(_divergence(logits, teacher).item())
+            if window_divergence is not None:
+                divergence.append(window_divergence.item())
     score = {"heldout_nll": sum(nll) / len(nll), "heldout_accuracy": sum(accuracy) / len(nll)}
     if divergence:
         score["heldout_kl"] = sum(divergence) / len(divergence)
