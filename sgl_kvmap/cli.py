@@ -352,16 +352,24 @@ def tune(
 @click.option(
     "--draft", default=8, show_default=True, help="Tokens the source drafts to pick them."
 )
+@click.option(
+    "--speed-tokens",
+    default=0,
+    show_default=True,
+    help="Also time the same hand-off (tail, repair) against the target's re-prefill of a "
+    "prompt of this many tokens, on this machine (0: off).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def eval_(
     pack, texts, prefix_len, continuation, tail, windows, source_path, target_path, anchors,
-    draft, as_json,
+    draft, speed_tokens, as_json,
 ) -> None:  # fmt: skip
     """Measure a pack's fidelity on held-out text, beside target, source and no-prefix baselines."""
     from .capture import load_model
     from .evaluate import evaluate
     from .mapper import KVMapper
-    from .texts import default_eval_files, eval_windows, expand_paths
+    from .texts import default_eval_files, eval_windows, expand_paths, prompt_of_length
+    from .timing import measure_speed
     from .transfer import Repair
 
     repair = Repair(anchors, draft) if anchors else None
@@ -373,7 +381,23 @@ def eval_(
     report = evaluate(
         mapper, source, target, token_windows, prefix_len, continuation, tail, repair=repair
     )
-    click.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.table())
+    result, table = report.to_dict(), report.table()
+    if speed_tokens:
+        prompt = prompt_of_length(target.tokenizer, speed_tokens)
+        speed = measure_speed(mapper, source, target, prompt, tail=tail, repair=repair)
+        result["speed"] = speed.to_dict()
+        table += "\n" + _cost_line(speed)
+    click.echo(json.dumps(result, indent=2) if as_json else table)
+
+
+def _cost_line(speed) -> str:
+    """One line of a ``timing.SpeedReport``: re-prefill against the translated path."""
+    return (
+        f"cost at {speed.tokens} tokens on this machine: re-prefill {speed.prefill_seconds:.3f} s"
+        f"; map + sinks {speed.translate_seconds:.3f} s ({speed.speedup:.1f}x); translated path "
+        f"(draft, {speed.anchors} anchors, {speed.tail}-token tail) {speed.total_seconds:.3f} s "
+        f"({speed.end_to_end_speedup:.1f}x)"
+    )
 
 
 @main.command()

@@ -77,11 +77,16 @@ def test_eval_json_has_every_baseline(fitted_pack, text_dir):
         "6",
         "--draft",
         "2",
+        "--speed-tokens",
+        "40",
         "--json",
     ]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
+    speed = report["speed"]  # the same hand-off, timed against re-prefill
+    assert speed["tokens"] == 40 and speed["tail"] == 4 and speed["anchors"] == 6
+    assert speed["prefill_seconds"] > 0 and speed["total_seconds"] > speed["map_seconds"] > 0
     assert {"reference", "mapped", "mapped_tail", "source", "no_prefix", "attention_cosine"} <= set(
         report
     )
