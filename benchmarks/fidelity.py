@@ -25,6 +25,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import click
+import torch
 
 from sgl_kvmap.calibrate import (
     CalibrationConfig,
@@ -38,7 +39,7 @@ from sgl_kvmap.calibrate import (
 )
 from sgl_kvmap.capture import load_model
 from sgl_kvmap.default_pair import LARGE, SMALL, cache_root, ensure_model
-from sgl_kvmap.evaluate import EvalRuns, evaluate
+from sgl_kvmap.evaluate import EvalRuns, bootstrap_interval, evaluate
 from sgl_kvmap.texts import (
     code_corpus_files,
     default_eval_files,
@@ -461,6 +462,7 @@ TABLE = [  # header, cell of one row
     ("no prefix", lambda r: f"{r['accuracy']['no_prefix']:.3f}"),
     ("retention (0 / T)", lambda r: f"{_f(r['retention'])} / {_f(r['retention_tail'])}"),
     ("gap closed (0 / T)", lambda r: f"{_f(r['gap_closed'])} / {_f(r['gap_closed_tail'])}"),
+    ("90% interval of retention / gap closed at T+repair (else T)", lambda r: _intervals(r)),
     ("NLL mapped / +T", lambda r: f"{r['nll']['mapped']:.3f} / {r['nll']['mapped_tail']:.3f}"),
     ("+T + repair", lambda r: _repaired(r)),
     ("fit s", lambda r: f"{r['fit_seconds']:.0f}"),
@@ -486,6 +488,20 @@ def _repaired(r: dict) -> str:
         f"{r['accuracy']['repaired']:.3f} (ret {_f(r['retention_repaired'])}, gap {_f(gap)}, "
         f"{speed['end_to_end_speedup']:.1f}x; {r['repair']})"
     )
+
+
+def _intervals(r: dict) -> str:
+    """Bootstrap intervals over the row's windows (``evaluate.bootstrap_interval``) of the
+    retention and gap closed of its best condition: repaired if run, else the main tail."""
+    if not r.get("by_window"):
+        return "-"
+    condition = "repaired" if r.get("repair") else "mapped_tail"
+    accuracy = {
+        name: torch.tensor([w[name]["accuracy"] for w in r["by_window"]], dtype=torch.float64)
+        for name in ("reference", "source", condition)
+    }
+    spans = [bootstrap_interval(accuracy, condition, base) for base in (None, "source")]
+    return " / ".join("n/a" if s is None else f"{s[0]:.2f}-{s[1]:.2f}" for s in spans)
 
 
 def _calibration_tokens(calibration: dict) -> str:

@@ -23,6 +23,9 @@ from .pack import check_models
 from .rope import tables_for_spec, unrope
 from .transfer import Repair, draft_anchors, handoff_split, translate_prefix
 
+INTERVAL_LEVEL = 0.9  # of the ratios' bootstrap intervals over windows
+BOOTSTRAP_DRAWS = 4000
+
 
 @dataclass
 class Quality:
@@ -78,10 +81,29 @@ class EvalReport:
     def gap_closed_repaired(self) -> float | None:
         return None if self.repaired is None else _gap(self.repaired, self.source, self.reference)
 
+    def intervals(self, level: float = INTERVAL_LEVEL) -> dict[str, tuple[float, float] | None]:
+        """Each ratio's percentile-bootstrap interval over the evaluation windows (resampled
+        with replacement, paired across conditions; fixed seed): how far 16 windows pin it.
+        None where the ratio is undefined or there are no per-window scores."""
+        measured = [c for c in CONDITIONS if getattr(self, c) is not None]
+        if not self.by_window or any(set(measured) - set(w) for w in self.by_window):
+            return {name: None for name in RATIOS}
+        accuracy = {
+            c: torch.tensor([w[c].accuracy for w in self.by_window], dtype=torch.float64)
+            for c in measured
+        }
+        return {
+            name: bootstrap_interval(accuracy, *RATIO_TERMS[name], level)
+            if RATIO_TERMS[name][0] in accuracy
+            else None
+            for name in RATIOS
+        }
+
     def to_dict(self) -> dict:
         out = asdict(self)
         for name in RATIOS:
             out[name] = getattr(self, name)
+        out["intervals"] = {"level": INTERVAL_LEVEL, **self.intervals()}
         out["mean_r2_k"], out["mean_r2_v"] = _mean(self.r2_k), _mean(self.r2_v)
         out["mean_attention_cosine"] = _mean(self.attention_cosine)
         return out
@@ -149,6 +171,15 @@ class EvalReport:
         worst = sorted(range(len(self.attention_cosine)), key=lambda i: self.attention_cosine[i])[
             :3
         ]
+        spans = self.intervals()
+        lines.append(
+            f"{INTERVAL_LEVEL:.0%} bootstrap intervals over the {self.windows} windows: "
+            + "; ".join(
+                f"{name} [{span[0]:.3f}, {span[1]:.3f}]"
+                for name, span in spans.items()
+                if span is not None
+            )
+        )
         lines.append(
             "lowest attention cosine: "
             + ", ".join(f"layer {i} {self.attention_cosine[i]:.3f}" for i in worst)
@@ -157,14 +188,46 @@ class EvalReport:
 
 
 CONDITIONS = ("reference", "mapped", "mapped_tail", "repaired", "source", "no_prefix")
-RATIOS = (
-    "retention",
-    "retention_tail",
-    "retention_repaired",
-    "gap_closed",
-    "gap_closed_tail",
-    "gap_closed_repaired",
-)
+# ratio -> (condition, baseline): retention is condition / reference, gap closed is
+# (condition - source) / (reference - source)
+RATIO_TERMS = {
+    "retention": ("mapped", None),
+    "retention_tail": ("mapped_tail", None),
+    "retention_repaired": ("repaired", None),
+    "gap_closed": ("mapped", "source"),
+    "gap_closed_tail": ("mapped_tail", "source"),
+    "gap_closed_repaired": ("repaired", "source"),
+}
+RATIOS = tuple(RATIO_TERMS)
+
+
+def bootstrap_interval(
+    accuracy: dict[str, torch.Tensor],
+    condition: str,
+    baseline: str | None,
+    level: float = INTERVAL_LEVEL,
+    draws: int = BOOTSTRAP_DRAWS,
+    seed: int = 0,
+) -> tuple[float, float] | None:
+    """Percentile-bootstrap interval of (condition - baseline) / (reference - baseline) (retention
+    when ``baseline`` is None) over windows resampled with replacement, every condition from the
+    same resampled windows. accuracy: condition -> [windows] per-window accuracy (windows of one
+    length, so a mean over windows is the pooled accuracy). Draws where the ratio is undefined
+    (a zero denominator) are dropped; None when most are."""
+    reference = accuracy["reference"]
+    windows = reference.numel()
+    generator = torch.Generator().manual_seed(seed)
+    picks = torch.randint(windows, (draws, windows), generator=generator)
+    mean = {name: values[picks].mean(1) for name, values in accuracy.items()}  # [draws] each
+    offset = mean[baseline] if baseline is not None else torch.zeros(draws, dtype=reference.dtype)
+    spread = mean["reference"] - offset
+    defined = spread > 1e-12
+    if defined.sum() * 2 <= draws:
+        return None
+    ratio = (mean[condition] - offset)[defined] / spread[defined]
+    tails = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=ratio.dtype)
+    low, high = torch.quantile(ratio, tails).tolist()
+    return low, high
 
 
 @dataclass

@@ -7,6 +7,7 @@ import torch
 from sgl_kvmap import CalibrationConfig, evaluate, fit_mapper
 from sgl_kvmap.capture import LoadedModel, run
 from sgl_kvmap.errors import KVMapError, PairMismatchError
+from sgl_kvmap.evaluate import RATIOS, bootstrap_interval
 from sgl_kvmap.spec import spec_from_config
 from sgl_kvmap.texts import eval_windows, expand_paths
 
@@ -100,6 +101,34 @@ def test_per_window_scores_average_to_the_report(tiny_pair, text_dir):
         assert overall.nll == pytest.approx(sum(q.nll for q in per_window) / 3, rel=1e-5)
         assert overall.accuracy == pytest.approx(sum(q.accuracy for q in per_window) / 3)
     assert len({w["mapped"].nll for w in report.by_window}) == 3  # not one figure copied
+    spans = report.intervals()  # from those per-window scores
+    assert set(spans) == set(RATIOS) and spans["retention_repaired"] is None  # no repair run
+    assert report.to_dict()["intervals"]["retention"] == spans["retention"]
+
+
+def test_bootstrap_interval_brackets_the_ratio_and_widens_with_the_level():
+    generator = torch.Generator().manual_seed(1)
+    accuracy = {
+        name: (base + 0.1 * torch.rand(16, generator=generator, dtype=torch.float64))
+        for name, base in (("reference", 0.8), ("mapped", 0.7), ("source", 0.6))
+    }
+    means = {name: values.mean().item() for name, values in accuracy.items()}
+    gap = (means["mapped"] - means["source"]) / (means["reference"] - means["source"])
+    wide = bootstrap_interval(accuracy, "mapped", "source", level=0.9)
+    narrow = bootstrap_interval(accuracy, "mapped", "source", level=0.5)
+    assert wide[0] < narrow[0] < gap < narrow[1] < wide[1]
+    assert bootstrap_interval(accuracy, "mapped", "source", level=0.9) == wide  # fixed seed
+    retention = bootstrap_interval(accuracy, "mapped", None)
+    assert retention[0] < means["mapped"] / means["reference"] < retention[1] < 1
+
+
+def test_bootstrap_interval_of_identical_windows_is_the_point_and_undefined_is_none():
+    same = {"reference": torch.full((8,), 0.8), "mapped": torch.full((8,), 0.75),
+            "source": torch.full((8,), 0.7)}  # fmt: skip
+    low, high = bootstrap_interval(same, "mapped", "source")
+    assert low == pytest.approx(0.5) and high == pytest.approx(0.5)
+    level = {**same, "source": same["reference"]}  # the target does not beat the source
+    assert bootstrap_interval(level, "mapped", "source") is None
 
 
 def test_shared_runs_give_the_same_report_and_refuse_other_windows(tiny_pair, text_dir):
