@@ -381,23 +381,17 @@ def eval_(
     report = evaluate(
         mapper, source, target, token_windows, prefix_len, continuation, tail, repair=repair
     )
-    result, table = report.to_dict(), report.table()
+    speed = None
     if speed_tokens:
         prompt = prompt_of_length(target.tokenizer, speed_tokens)
         speed = measure_speed(mapper, source, target, prompt, tail=tail, repair=repair)
-        result["speed"] = speed.to_dict()
-        table += "\n" + _cost_line(speed)
-    click.echo(json.dumps(result, indent=2) if as_json else table)
-
-
-def _cost_line(speed) -> str:
-    """One line of a ``timing.SpeedReport``: re-prefill against the translated path."""
-    return (
-        f"cost at {speed.tokens} tokens on this machine: re-prefill {speed.prefill_seconds:.3f} s"
-        f"; map + sinks {speed.translate_seconds:.3f} s ({speed.speedup:.1f}x); translated path "
-        f"(draft, {speed.anchors} anchors, {speed.tail}-token tail) {speed.total_seconds:.3f} s "
-        f"({speed.end_to_end_speedup:.1f}x)"
-    )
+    if as_json:
+        result = report.to_dict()
+        if speed is not None:
+            result["speed"] = speed.to_dict()
+        click.echo(json.dumps(result, indent=2))
+    else:
+        click.echo(report.table() + ("" if speed is None else "\n" + speed.line()))
 
 
 @main.command()

@@ -85,6 +85,15 @@ class SpeedReport:
         )
         return {**asdict(self), **{name: getattr(self, name) for name in derived}}
 
+    def line(self) -> str:
+        """One human-readable line: re-prefill against the translated path."""
+        return (
+            f"cost at {self.tokens} tokens on this machine: re-prefill {self.prefill_seconds:.3f} s"
+            f"; map + sinks {self.translate_seconds:.3f} s ({self.speedup:.1f}x); translated path "
+            f"(draft, {self.anchors} anchors, {self.tail}-token tail) {self.total_seconds:.3f} s "
+            f"({self.end_to_end_speedup:.1f}x)"
+        )
+
 
 def measure_speed(
     mapper: KVMapper,

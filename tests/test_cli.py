@@ -87,6 +87,10 @@ def test_eval_json_has_every_baseline(fitted_pack, text_dir):
     speed = report["speed"]  # the same hand-off, timed against re-prefill
     assert speed["tokens"] == 40 and speed["tail"] == 4 and speed["anchors"] == 6
     assert speed["prefill_seconds"] > 0 and speed["total_seconds"] > speed["map_seconds"] > 0
+    table = CliRunner().invoke(main, args[:-1])  # the same run as a table
+    assert table.exit_code == 0, table.output
+    assert "bootstrap intervals over the 2 windows" in table.stdout
+    assert "cost at 40 tokens" in table.stdout and "6 anchors, 4-token tail" in table.stdout
     assert {"reference", "mapped", "mapped_tail", "source", "no_prefix", "attention_cosine"} <= set(
         report
     )
