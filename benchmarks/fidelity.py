@@ -1,13 +1,13 @@
 """Fidelity loop on the real pair: run named configurations, one results row per direction.
 
     python benchmarks/fidelity.py base-16k cal-64k sink-0 [--windows 16] [--tails 0,8,32,128]
-        [--repair ANCHORS:DRAFT]
+        [--repair ANCHORS:DRAFT[:SWEEPS]]
 
 Each configuration fits both directions of the embedded Qwen2.5-Coder 0.5B/1.5B pair and
 evaluates them on held-out text (never calibration text, never used to choose settings), beside
 the target's own cache, the source alone and no prefix, at every tail length in --tails, and,
 with --repair, the hand-off that also recomputes that many anchors picked by a source draft of
-that many tokens (``transfer.Repair``, over the main tail).
+that many tokens (``transfer.Repair``, over the main tail; with SWEEPS, a parallel draft).
 Calibration statistics are cached per token budget under $SGL_KVMAP_CACHE/stats and grown
 from the largest smaller budget, so a new budget only captures the windows it adds.
 
@@ -39,6 +39,7 @@ from sgl_kvmap.calibrate import (
 )
 from sgl_kvmap.capture import load_model
 from sgl_kvmap.default_pair import LARGE, SMALL, cache_root, ensure_model
+from sgl_kvmap.errors import KVMapError
 from sgl_kvmap.evaluate import EvalRuns, bootstrap_interval, evaluate
 from sgl_kvmap.texts import (
     code_corpus_files,
@@ -180,10 +181,12 @@ def _repair(ctx, param, value: str | None) -> Repair | None:
     if value is None:
         return None
     try:
-        anchors, draft = map(int, value.split(":"))
-        return Repair(anchors, draft)
-    except ValueError as error:
-        raise click.BadParameter(f"expected ANCHORS:DRAFT, got {value!r}") from error
+        numbers = list(map(int, value.split(":")))
+        if len(numbers) not in (2, 3):
+            raise ValueError
+        return Repair(*numbers)
+    except (ValueError, KVMapError) as error:
+        raise click.BadParameter(f"expected ANCHORS:DRAFT[:SWEEPS], got {value!r}") from error
 
 
 @click.command()
@@ -204,7 +207,7 @@ def _repair(ctx, param, value: str | None) -> Repair | None:
 @click.option(
     "--repair",
     callback=_repair,
-    help="Also score (and time) the hand-off repair ANCHORS:DRAFT over the main tail.",
+    help="Also score (and time) the hand-off repair ANCHORS:DRAFT[:SWEEPS] over the main tail.",
 )
 @click.option(
     "--save-packs",

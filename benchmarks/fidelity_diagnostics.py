@@ -1,7 +1,7 @@
 """Where does a translated cache lose the target's accuracy? Swap parts of it, and recompute.
 
     python benchmarks/fidelity_diagnostics.py cal-64k [--windows 16] [--direction 0.5B->1.5B]
-        [--part swaps --part recompute --part selectors --part draft]
+        [--part swaps --part recompute --part selectors --part draft ...] [--packs DIR]
 
 On the held-out evaluation windows of benchmarks/fidelity.py (same text, same mapper fit from
 the same cached statistics), the target continues from its translated cache with one part
@@ -32,6 +32,12 @@ tokens recomputed by the target (real levers, costed in recomputed tokens):
   chunks, and after each chunk recomputes the prompt tokens that chunk's queries attended to
   most (over the cache as repaired so far), so the tokens it leans on are repaired by its own
   attention; optionally after a hand-off repair.
+- parallel (``--part parallel``): the hand-off repair with a parallel draft (``Repair.sweeps``:
+  a prompt-lookup guess of 32 tokens refined in 1, 2 or 4 parallel source forwards) against
+  serial greedy drafts of the same number of source forwards and the serial 32-token draft.
+
+With ``--packs DIR`` the mapper is read from ``DIR/NAME/<direction>`` (what ``fidelity.py
+--save-packs DIR`` wrote) instead of refitted, so NAME may be a tuned configuration too.
 
 Writes benchmarks/results/fidelity_diagnostics.json and .md (a run adds or replaces its parts'
 rows in the configuration's table). No asserts: benchmarks measure.
@@ -44,12 +50,21 @@ from pathlib import Path
 
 import click
 import torch
-from fidelity import CONFIGS, DIRECTIONS, RESULTS, ConfigName, _timed_fit, statistics_for
+from fidelity import (
+    CONFIGS,
+    DIRECTIONS,
+    RESULTS,
+    ConfigName,
+    _timed_fit,
+    statistics_for,
+    tuned_spec,
+)
 from tqdm.auto import tqdm
 
 from sgl_kvmap.capture import KVCache, load_model, recompute_tokens, run
 from sgl_kvmap.default_pair import LARGE, SMALL, ensure_model
 from sgl_kvmap.evaluate import EvalRuns, continuation_scores
+from sgl_kvmap.mapper import KVMapper
 from sgl_kvmap.texts import default_eval_files, eval_windows
 from sgl_kvmap.token_weights import attention_paid
 from sgl_kvmap.transfer import (
@@ -62,10 +77,22 @@ from sgl_kvmap.transfer import (
 
 PROBE = 16  # prompt tokens recomputed first; their attention picks the anchors
 SELECTOR_ANCHORS = 112  # + the PROBE tail: 128 recomputed tokens for every selector
-PARTS = ("swaps", "recompute", "selectors", "draft", "repair", "lazy")
+PARTS = ("swaps", "recompute", "selectors", "draft", "repair", "lazy", "parallel")
 DRAFT = 32  # tokens the source drafts after the prompt; their attention picks the anchors
 DRAFTS = (1, 8, 32)
 REPAIRS = [Repair(a, d) for a in (48, 112, 240) for d in DRAFTS]
+# parallel drafts of DRAFT tokens in 1 + s source forwards, beside serial drafts of the same
+# forward count (1 + s tokens) and the serial DRAFT-token draft
+SWEEPS = (1, 2, 4)
+PARALLEL = [
+    repair
+    for anchors in (112, 240)
+    for repair in (
+        *(Repair(anchors, DRAFT, s) for s in SWEEPS),
+        *(Repair(anchors, 1 + s) for s in SWEEPS),
+        Repair(anchors, DRAFT),
+    )
+]
 LAZY = [  # (hand-off repair or None, chunk of continuation tokens, tokens repaired per chunk)
     (None, 8, 16),
     (None, 4, 8),
@@ -78,7 +105,7 @@ LAYER0 = "exact"  # translated caches carry the target's own layer 0 (transfer.t
 
 
 @click.command()
-@click.argument("name", type=click.Choice(sorted(CONFIGS)))
+@click.argument("name", type=ConfigName())
 @click.option("--windows", default=16, show_default=True)
 @click.option("--prefix-len", default=1024, show_default=True)
 @click.option("--continuation", default=64, show_default=True)
@@ -104,20 +131,28 @@ LAYER0 = "exact"  # translated caches carry the target's own layer 0 (transfer.t
     show_default=True,
     help="Which conditions to run.",
 )
-def main(name, windows, prefix_len, continuation, directions, worst_from, parts):
-    config = CONFIGS[name]
+@click.option(
+    "--packs",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="Read NAME's mappers from DIR/NAME/<direction> (fidelity.py --save-packs) "
+    "instead of refitting.",
+)
+def main(name, windows, prefix_len, continuation, directions, worst_from, parts, packs):
+    if packs is None and tuned_spec(name) is not None:
+        raise click.BadParameter(
+            f"{name} is tuned and diagnostics do not tune: pass --packs (fidelity.py "
+            "--save-packs wrote them)", param_hint="NAME",
+        )  # fmt: skip
     small, large = load_model(str(ensure_model(SMALL))), load_model(str(ensure_model(LARGE)))
     eval_ids = eval_windows(
         large.tokenizer, default_eval_files(), prefix_len + continuation, windows
     )
     runs = EvalRuns(eval_ids, prefix_len, continuation)
-    state = statistics_for(small, large, config)
-    fits = {
-        d: _timed_fit(stats, config)[0]
-        for d, stats in zip(DIRECTIONS, (state.forward, state.reverse))
-        if d in directions
-    }
-    state = None  # the statistics (GBs) are not needed any more
+    if packs is not None:
+        fits = saved_packs(packs, name, directions)
+    else:
+        fits = refitted(small, large, name, directions)
     for direction, mapper in fits.items():
         source, target = (small, large) if direction == DIRECTIONS[0] else (large, small)
         worst = worst_layers(worst_from or name, direction) if "swaps" in parts else []
@@ -144,6 +179,26 @@ def main(name, windows, prefix_len, continuation, directions, worst_from, parts)
     _write_table()
 
 
+def saved_packs(packs: Path, name: str, directions) -> dict[str, KVMapper]:
+    """direction -> the mapper ``fidelity.py --save-packs`` wrote for NAME."""
+    folders = {d: packs / name / d.replace("->", "_to_") for d in directions}
+    missing = [str(f) for f in folders.values() if not (f / "kvmap.json").is_file()]
+    if missing:
+        raise click.BadParameter(f"no pack at {', '.join(missing)}", param_hint="--packs")
+    return {d: KVMapper.from_pretrained(folder) for d, folder in folders.items()}
+
+
+def refitted(small, large, name: str, directions) -> dict[str, KVMapper]:
+    """direction -> NAME's mapper fitted from its cached calibration statistics."""
+    config = CONFIGS[name]
+    state = statistics_for(small, large, config)
+    return {
+        d: _timed_fit(stats, config)[0]
+        for d, stats in zip(DIRECTIONS, (state.forward, state.reverse))
+        if d in directions
+    }
+
+
 def conditions(mapper, src, truth, source, target, window, prefix_len, worst, parts) -> dict:
     """label -> (target cache for prompt tokens [0, prefix_len - 1), or the continuation's
     (correct, nll) where the condition scored it itself; recomputed tokens)."""
@@ -164,6 +219,8 @@ def conditions(mapper, src, truth, source, target, window, prefix_len, worst, pa
         out.update(repair_levers(src, source, target, window[: split + 1], mapper))
     if "lazy" in parts:
         out.update(lazy_levers(src, source, target, window, prefix_len, mapper))
+    if "parallel" in parts:
+        out.update(repaired_caches(src, source, target, window[: split + 1], mapper, PARALLEL))
     return out
 
 
@@ -278,16 +335,29 @@ def repair_levers(src, source, target, prompt, mapper) -> dict:
         mapper, src.cache.slice(0, split), prompt[:split], target.model, exact_first_layer=False
     )
     out = {"translated, layer 0 mapped too": (mapped_first_layer, 0)}
-    paid = {d: draft_attention(source.model, src.cache, prompt, d) for d in DRAFTS}
-    for repair in REPAIRS:
-        anchors = top_attended(paid[repair.draft], repair.anchors, mapper.sink_tokens)
+    return out | repaired_caches(src, source, target, prompt, mapper, REPAIRS)
+
+
+def repaired_caches(src, source, target, prompt, mapper, repairs: list[Repair]) -> dict:
+    """The hand-off repair's cache for each of ``repairs`` (each draft drafted once)."""
+    split, paid, out = prompt.numel() - 1, {}, {}
+    for repair in repairs:
+        how = repair.draft, repair.sweeps
+        if how not in paid:
+            paid[how] = draft_attention(source.model, src.cache, prompt, *how)
+        anchors = top_attended(paid[how], repair.anchors, mapper.sink_tokens)
         cache = translate_prefix(
             mapper, src.cache.slice(0, split), prompt[:split], target.model, anchors
         )
-        out[repair_label(repair)] = (
-            cache, f"{repair.anchors} (+{repair.draft} source draft tokens)"
-        )  # fmt: skip
+        out[repair_label(repair)] = (cache, f"{repair.anchors} (+{draft_cost(repair)})")
     return out
+
+
+def draft_cost(repair: Repair) -> str:
+    """What the draft of ``repair`` costs the source: drafted tokens and forwards."""
+    if not repair.sweeps:
+        return f"{repair.draft} source draft tokens"
+    return f"{repair.draft} source draft tokens in {1 + repair.sweeps} source forwards"
 
 
 def lazy_levers(src, source, target, window, prefix_len, mapper) -> dict:

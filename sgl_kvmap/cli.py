@@ -15,6 +15,10 @@ from .tune import FAMILY_RATES, OBJECTIVES, TuneConfig
 PACK_TOKENS = 131072  # `fit` builds packs to publish: the calibration budget that won on the pair
 PACK_RANK = "auto"  # reduced-rank maps beat k-layer maps at that budget (README: fidelity)
 DEMO_ANCHORS, DEMO_DRAFT = 112, 8  # the repaired hand-off the demo reports (README: fidelity)
+SWEEPS_HELP = (
+    "0: the source decodes its draft greedily, one token per forward; S: it guesses the draft "
+    "by prompt lookup and refines it in S parallel forwards (Jacobi sweeps)."
+)
 DEMO_RANK = "auto"  # at the demo's 16k tokens too (README: fidelity)
 # downstream tuning after the fit: 120 steps on the code corpus, the best measured on the pair
 # (README: downstream tuning)
@@ -352,6 +356,7 @@ def tune(
 @click.option(
     "--draft", default=8, show_default=True, help="Tokens the source drafts to pick them."
 )
+@click.option("--sweeps", default=0, show_default=True, help=SWEEPS_HELP)
 @click.option(
     "--speed-tokens",
     default=0,
@@ -362,7 +367,7 @@ def tune(
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def eval_(
     pack, texts, prefix_len, continuation, tail, windows, source_path, target_path, anchors,
-    draft, speed_tokens, as_json,
+    draft, sweeps, speed_tokens, as_json,
 ) -> None:  # fmt: skip
     """Measure a pack's fidelity on held-out text, beside target, source and no-prefix baselines."""
     from .capture import load_model
@@ -372,7 +377,7 @@ def eval_(
     from .timing import measure_speed
     from .transfer import Repair
 
-    repair = Repair(anchors, draft) if anchors else None
+    repair = Repair(anchors, draft, sweeps) if anchors else None
     mapper = KVMapper.from_pretrained(pack)
     source = load_model(source_path or mapper.source.model_id)
     target = load_model(target_path or mapper.target.model_id)
@@ -451,6 +456,7 @@ def inspect(pack) -> None:
 @click.option(
     "--draft", default=DEMO_DRAFT, show_default=True, help="Source draft that picks them."
 )
+@click.option("--sweeps", default=0, show_default=True, help=SWEEPS_HELP)
 @click.option(
     "--rank",
     default=DEMO_RANK,
@@ -464,8 +470,8 @@ def inspect(pack) -> None:
     help="Downstream tuning steps after each fit (`sgl-kvmap tune`; 0: none).",
 )
 def demo(
-    tokens, windows, prefix_len, continuation, tail, bench_tokens, out, anchors, draft, rank,
-    tune_steps,
+    tokens, windows, prefix_len, continuation, tail, bench_tokens, out, anchors, draft, sweeps,
+    rank, tune_steps,
 ) -> None:  # fmt: skip
     """The whole job on the embedded Qwen2.5-Coder 0.5B/1.5B pair.
 
@@ -483,7 +489,7 @@ def demo(
             continuation=continuation,
             tail=tail,
             bench_tokens=bench_tokens,
-            repair=Repair(anchors, draft) if anchors else None,
+            repair=Repair(anchors, draft, sweeps) if anchors else None,
             rank=_rank(rank),
             tune_steps=tune_steps,
         )

@@ -14,7 +14,10 @@ Repair (``Repair``): the same forward can also recompute chosen translated token
 the prompt tokens that the answer is likely to read. The source, whose cache is exact, drafts a
 few tokens greedily after the prompt; the translated tokens its drafted queries attend to most
 are the anchors. (The continuation's own attention picks the tokens that matter; the prompt's
-last queries pick worse: see the README's fidelity section.)
+last queries pick worse: see the README's fidelity section.) Greedy decoding is serial, one
+source forward per drafted token; a parallel draft (``Repair.sweeps``) guesses the draft by
+prompt lookup (``lookup_guess``: code and chat repeat their context) and refines the guess in a
+few parallel forwards (Jacobi iterations, whose fixed point is the greedy draft).
 """
 
 from __future__ import annotations
@@ -44,17 +47,24 @@ class Repair:
     draft: tokens the source drafts greedily after the prompt over its own cache; the anchors
     are the translated tokens that the queries of the last prompt token and of the drafted
     tokens attend to most (mean over the source's layers and heads).
+    sweeps: 0 decodes the draft serially (``draft - 1`` source forwards of one token each);
+    s >= 1 drafts in parallel: a prompt-lookup guess refined by s source forwards over the
+    whole draft (Jacobi iterations; s >= draft - 1 gives the greedy draft's queries exactly).
     """
 
     anchors: int
     draft: int = 8
+    sweeps: int = 0
 
     def __post_init__(self) -> None:
-        if self.anchors < 0 or self.draft < 1:
-            raise KVMapError(f"need anchors >= 0 and draft >= 1, got {self}")
+        if self.anchors < 0 or self.draft < 1 or self.sweeps < 0:
+            raise KVMapError(f"need anchors >= 0, draft >= 1 and sweeps >= 0, got {self!r}")
 
     def __str__(self) -> str:
-        return f"{self.anchors} anchors by a {self.draft}-token source draft"
+        text = f"{self.anchors} anchors by a {self.draft}-token source draft"
+        if not self.sweeps:
+            return text
+        return text + f" ({self.sweeps} parallel sweep{'s' if self.sweeps > 1 else ''})"
 
 
 def translate_prefix(
@@ -152,33 +162,94 @@ def draft_anchors(
     """
     prompt_len = token_ids.numel()
     split = handoff_split(prompt_len, tail)
-    paid = draft_attention(source_model, source_cache, token_ids, repair.draft)
+    paid = draft_attention(source_model, source_cache, token_ids, repair.draft, repair.sweeps)
     return top_attended(paid[:split], repair.anchors, mapper.sink_tokens)
 
 
 def draft_attention(
-    source_model, source_cache: KVCache, token_ids: torch.Tensor, draft: int
+    source_model, source_cache: KVCache, token_ids: torch.Tensor, draft: int, sweeps: int = 0
 ) -> torch.Tensor:
     """Attention the source pays each of the first P - 1 prompt tokens (``token_ids: [P]``)
-    while it drafts: the queries of the last prompt token and of ``draft - 1`` tokens decoded
-    greedily after it, summed over those queries, mean over layers and heads. Returns [P - 1].
+    while it drafts: the queries of the last prompt token and of ``draft - 1`` drafted tokens
+    after it, summed over those queries, mean over layers and heads. Returns [P - 1].
 
     source_cache: the source's KV of the first c tokens of the prompt (c >= 1); the source
-    reads tokens c .. P - 1 over it first.
+    reads tokens c .. P - 1 over it first. ``sweeps`` 0: the draft is decoded greedily, one
+    forward per token; s >= 1: it is guessed (``lookup_guess``) and refined in s parallel
+    forwards, and the queries are those of the last forward (``Repair.sweeps``).
     """
     prompt_len, cached = token_ids.numel(), min(len(source_cache), token_ids.numel() - 1)
-    if cached < 1 or draft < 1:
-        raise KVMapError(f"a draft needs a cached prompt token and draft >= 1, got {draft}")
+    if cached < 1 or draft < 1 or sweeps < 0:
+        raise KVMapError(
+            f"a draft needs a cached prompt token, draft >= 1 and sweeps >= 0, "
+            f"got draft {draft}, sweeps {sweeps}"
+        )
     step = run(source_model, token_ids[cached:], past=source_cache.slice(0, cached),
                logits_to_keep=1, want_queries=True)  # fmt: skip
-    queries = [[q[-1:]] for q in step.queries]
-    for _ in range(draft - 1):
-        token = step.logits[-1].argmax()[None]
-        step = run(source_model, token, past=step.cache, logits_to_keep=1, want_queries=True)
-        for layer, q in zip(queries, step.queries):
-            layer.append(q)
-    paid = attention_paid([torch.cat(q) for q in queries], step.cache.keys)
-    return paid[: prompt_len - 1]
+    last = [q[-1:] for q in step.queries]
+    if draft == 1:
+        return attention_paid(last, step.cache.keys)[: prompt_len - 1]
+    first = step.logits[-1].argmax()[None]
+    draft_queries, cache = (
+        _parallel_draft(source_model, step.cache, token_ids, first, draft - 1, sweeps)
+        if sweeps
+        else _serial_draft(source_model, step.cache, first, draft - 1)
+    )
+    queries = [torch.cat((q, d)) for q, d in zip(last, draft_queries)]
+    return attention_paid(queries, cache.keys)[: prompt_len - 1]
+
+
+def _serial_draft(source_model, cache: KVCache, first: torch.Tensor, count: int):
+    """Greedy decoding of ``count`` tokens from ``first: [1]`` after ``cache``: the queries
+    (L x [count, heads, d]) of the tokens fed, and the cache after them."""
+    token, queries = first, []
+    for _ in range(count):
+        step = run(source_model, token, past=cache, logits_to_keep=1, want_queries=True)
+        queries.append(step.queries)
+        token, cache = step.logits[-1].argmax()[None], step.cache
+    return [torch.cat(q) for q in zip(*queries)], cache
+
+
+def _parallel_draft(
+    source_model, cache: KVCache, token_ids: torch.Tensor, first: torch.Tensor, count: int,
+    sweeps: int,
+):  # fmt: skip
+    """Jacobi decoding of ``count`` tokens from ``first: [1]`` after ``cache`` (the prompt
+    ``token_ids`` read): the block [first, guess...] starts from ``lookup_guess`` and each of
+    ``sweeps`` parallel forwards replaces the guess by the source's argmax at every position.
+    Returns the last forward's queries (L x [count, heads, d]) and the cache after it."""
+    guess = torch.cat((first, lookup_guess(torch.cat((token_ids, first)), count - 1)))
+    for _ in range(sweeps):
+        step = run(source_model, guess, past=cache, logits_to_keep=count, want_queries=True)
+        guess = torch.cat((first, step.logits[:-1].argmax(-1)))
+    return step.queries, step.cache
+
+
+def lookup_guess(context: torch.Tensor, length: int, max_ngram: int = 3) -> torch.Tensor:
+    """A guess at the ``length`` tokens after ``context: [T]`` by prompt lookup: find the latest
+    earlier occurrence of the context's last n tokens (the longest n <= ``max_ngram`` that
+    occurs) and copy what followed it, reading on into the copy itself where the context ends.
+    Without any match, the last token repeated. Returns [length] token ids."""
+    if context.ndim != 1 or context.numel() == 0:
+        raise ValueError(f"context must be a non-empty 1-D tensor, got {tuple(context.shape)}")
+    start = _latest_match_end(context, max_ngram)
+    if start is None:
+        return context[-1:].repeat(length)
+    extended = context.tolist()
+    for i in range(length):
+        extended.append(extended[start + i])
+    return torch.tensor(extended[context.numel() :], dtype=context.dtype)
+
+
+def _latest_match_end(context: torch.Tensor, max_ngram: int) -> int | None:
+    """Index just past the latest earlier occurrence of the context's longest matching suffix
+    (at most ``max_ngram`` tokens), or None if even its last token never occurred before."""
+    for n in range(min(max_ngram, context.numel() - 1), 0, -1):
+        earlier = context.unfold(0, n, 1)[:-1]  # every n-gram but the suffix itself
+        hits = (earlier == context[-n:]).all(dim=1).nonzero()
+        if hits.numel():
+            return int(hits[-1]) + n
+    return None
 
 
 def top_attended(attention: torch.Tensor, count: int, start: int = 0) -> torch.Tensor:

@@ -76,7 +76,9 @@ def test_eval_json_has_every_baseline(fitted_pack, text_dir):
         "--anchors",
         "6",
         "--draft",
-        "2",
+        "3",
+        "--sweeps",
+        "1",
         "--speed-tokens",
         "40",
         "--json",
@@ -95,7 +97,8 @@ def test_eval_json_has_every_baseline(fitted_pack, text_dir):
         report
     )
     assert report["windows"] == 2 and report["tail"] == 4
-    assert report["repair"] == "4-token tail + 6 anchors by a 2-token source draft"
+    want = "4-token tail + 6 anchors by a 3-token source draft (1 parallel sweep)"
+    assert report["repair"] == want
     assert report["repaired"]["nll"] > 0 and "retention_repaired" in report
 
 

@@ -17,6 +17,7 @@ from sgl_kvmap.transfer import (
     draft_attention,
     handoff,
     handoff_split,
+    lookup_guess,
     top_attended,
     translate_prefix,
 )
@@ -44,6 +45,46 @@ def test_draft_attention_is_the_attention_of_the_drafted_tokens(tiny_pair):
         want = attention_paid([q[-5:] for q in whole.queries], whole.cache.keys)[:29]
         assert got.shape == (29,)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_parallel_draft_with_enough_sweeps_is_the_greedy_draft(tiny_pair):
+    """Jacobi iterations fix one more drafted token per sweep: with draft - 1 sweeps the queries
+    are the greedy draft's, whatever the lookup guessed."""
+    source = tiny_pair[0].model
+    ids = torch.randint(0, 100, (30,))
+    cache = capture_kv(source, ids[:29])
+    serial = draft_attention(source, cache, ids, draft=5)
+    for sweeps in (4, 6):
+        torch.testing.assert_close(
+            draft_attention(source, cache, ids, draft=5, sweeps=sweeps), serial,
+            rtol=1e-4, atol=1e-6,
+        )  # fmt: skip
+
+
+def test_parallel_draft_reads_its_last_forward(tiny_pair):
+    """One sweep: the queries of one parallel forward over [greedy first token, lookup guess]."""
+    source = tiny_pair[0].model
+    ids = torch.randint(0, 100, (30,))
+    got = draft_attention(source, capture_kv(source, ids[:29]), ids, draft=6, sweeps=1)
+    first = run(source, ids, logits_to_keep=1).logits[-1].argmax()[None]
+    block = torch.cat((ids, first, lookup_guess(torch.cat((ids, first)), 4)))
+    whole = run(source, block, want_queries=True)
+    want = attention_paid([q[-6:] for q in whole.queries], whole.cache.keys)[:29]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    assert not torch.allclose(got, draft_attention(source, capture_kv(source, ids[:29]), ids, 6))
+
+
+def test_lookup_guess_copies_what_followed_the_latest_match():
+    context = torch.tensor([5, 1, 2, 3, 9, 8, 1, 2, 3, 7, 6, 1, 2, 3])
+    assert lookup_guess(context, 3).tolist() == [7, 6, 1]  # latest earlier "1 2 3" is at 6
+    # a match near the end reads on into its own copy: "4 5" follows "... 4 5" periodically
+    assert lookup_guess(torch.tensor([4, 5, 4, 5]), 5).tolist() == [4, 5, 4, 5, 4]
+    # the longest suffix that occurs wins: "2 3" occurs, "9 2 3" does not
+    assert lookup_guess(torch.tensor([2, 3, 8, 1, 9, 2, 3]), 2).tolist() == [8, 1]
+    assert lookup_guess(torch.tensor([1, 2, 3]), 2).tolist() == [3, 3]  # no match
+    assert lookup_guess(torch.tensor([7]), 0).numel() == 0
+    with pytest.raises(ValueError):
+        lookup_guess(torch.tensor([], dtype=torch.long), 2)
 
 
 def test_top_attended_takes_the_largest_after_start():
@@ -98,6 +139,10 @@ def test_repair_settings_are_checked():
         Repair(anchors=-1)
     with pytest.raises(KVMapError):
         Repair(anchors=4, draft=0)
+    with pytest.raises(KVMapError):
+        Repair(anchors=4, sweeps=-1)
+    parallel = "8 anchors by a 32-token source draft (2 parallel sweeps)"
+    assert str(Repair(8, 32, sweeps=2)) == parallel
     assert str(Repair(8, 2)) == "8 anchors by a 2-token source draft"
 
 
