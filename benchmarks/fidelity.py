@@ -181,12 +181,9 @@ def _repair(ctx, param, value: str | None) -> Repair | None:
     if value is None:
         return None
     try:
-        numbers = list(map(int, value.split(":")))
-        if len(numbers) not in (2, 3):
-            raise ValueError
-        return Repair(*numbers)
-    except (ValueError, KVMapError) as error:
-        raise click.BadParameter(f"expected ANCHORS:DRAFT[:SWEEPS], got {value!r}") from error
+        return Repair.parse(value)
+    except KVMapError as error:
+        raise click.BadParameter(str(error)) from error
 
 
 @click.command()

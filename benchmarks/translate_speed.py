@@ -1,14 +1,16 @@
 """Translate a prefix vs re-prefill it with the target, side by side in one run.
 
     python benchmarks/translate_speed.py PACK [PACK ...] [--tokens 512 --tokens 2048]
-        [--dtype float32|bfloat16]
+        [--dtype float32|bfloat16] [--tail 0] [--repair ANCHORS:DRAFT[:SWEEPS] ...] [--out PATH]
 
 For each pack (e.g. the two written by `sgl-kvmap demo`), loads its source and target from
 the paths recorded in the pack, and times at each prefix length: the mapper (unrope, matrix
 products, rope), the target's forward over its sink tokens, and the target's own prefill, with
-both models (and so the caches and the map's matrix products) in --dtype.
-Prints a table; writes benchmarks/results/translate_speed.json (translate_speed_bfloat16.json
-for bfloat16). No asserts: benchmarks measure.
+both models (and so the caches and the map's matrix products) in --dtype. Each --repair also
+times that hand-off repair (the source's draft, the target's forward over the anchors, the
+--tail and the sinks) against the same re-prefill, so draft variants compare side by side.
+Prints a table; writes --out (default benchmarks/results/translate_speed.json, or
+translate_speed_bfloat16.json for bfloat16). No asserts: benchmarks measure.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ import click
 import torch
 
 from sgl_kvmap import KVMapper, load_model
+from sgl_kvmap.errors import KVMapError
 from sgl_kvmap.texts import prompt_of_length
 from sgl_kvmap.timing import measure_speed
+from sgl_kvmap.transfer import Repair
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -34,7 +38,16 @@ RESULTS = Path(__file__).parent / "results"
 )
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32")
-def main(packs, token_counts, repeats, dtype) -> None:
+@click.option("--tail", default=0, show_default=True, help="Tail of the repaired hand-offs.")
+@click.option(
+    "--repair",
+    "repairs",
+    multiple=True,
+    callback=lambda ctx, param, values: [_repair(value) for value in values],
+    help="Also time this hand-off repair, ANCHORS:DRAFT[:SWEEPS] (repeatable).",
+)
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None)
+def main(packs, token_counts, repeats, dtype, tail, repairs, out) -> None:
     rows = []
     for pack in packs:
         mapper = KVMapper.from_pretrained(pack)
@@ -43,37 +56,39 @@ def main(packs, token_counts, repeats, dtype) -> None:
             for spec in (mapper.source, mapper.target)
         )
         for tokens in token_counts:
-            speed = measure_speed(
-                mapper, source, target, prompt_of_length(target.tokenizer, tokens), repeats
-            )
-            rows.append(
-                {
-                    "pack": str(pack),
-                    "dtype": dtype,
-                    "k": mapper.k,
+            prompt, prefill = prompt_of_length(target.tokenizer, tokens), None
+            for repair in (None, *repairs):
+                speed = measure_speed(
+                    mapper, source, target, prompt, repeats,
+                    tail=0 if repair is None else tail, prefill_seconds=prefill, repair=repair,
+                )  # fmt: skip
+                prefill = speed.prefill_seconds  # one re-prefill timing for every variant
+                rows.append({
+                    "pack": str(pack), "dtype": dtype, "k": mapper.k,
                     "sink_tokens": mapper.sink_tokens,
-                    **speed.to_dict(),
-                }
-            )
-            print(
-                f"{Path(pack).name:<16} {dtype} k={mapper.k:<3} {tokens:>6} tokens: "
-                f"map {speed.map_seconds:.3f} s, sinks {speed.sink_seconds:.3f} s, "
-                f"hand-off {speed.handoff_seconds:.3f} s, "
-                f"re-prefill {speed.prefill_seconds:.2f} s; "
-                f"speedup: map {speed.map_speedup:.1f}x, map+sinks {speed.speedup:.1f}x, "
-                f"end-to-end {speed.end_to_end_speedup:.1f}x"
-            )
+                    "repair": None if repair is None else str(repair), **speed.to_dict(),
+                })  # fmt: skip
+                print(f"{Path(pack).name:<16} {dtype} k={mapper.k:<3} {speed.line()}")
+                if repair is not None:
+                    print(f"    {repair}: draft {speed.draft_seconds:.3f} s")
         del source, target
     meta = {
         "machine": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }
-    path = RESULTS / (
+    path = out or RESULTS / (
         "translate_speed.json" if dtype == "float32" else f"translate_speed_{dtype}.json"
     )
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     print(f"wrote {path}")
+
+
+def _repair(value: str) -> Repair:
+    try:
+        return Repair.parse(value)
+    except KVMapError as error:
+        raise click.BadParameter(str(error)) from error
 
 
 if __name__ == "__main__":

@@ -60,6 +60,17 @@ class Repair:
         if self.anchors < 0 or self.draft < 1 or self.sweeps < 0:
             raise KVMapError(f"need anchors >= 0, draft >= 1 and sweeps >= 0, got {self!r}")
 
+    @classmethod
+    def parse(cls, text: str) -> Repair:
+        """``"ANCHORS:DRAFT[:SWEEPS]"``, e.g. ``"240:32:2"`` (KVMapError if malformed)."""
+        try:
+            numbers = [int(part) for part in text.split(":")]
+        except ValueError:
+            numbers = []
+        if len(numbers) not in (2, 3):
+            raise KVMapError(f"expected ANCHORS:DRAFT[:SWEEPS], got {text!r}")
+        return cls(*numbers)
+
     def __str__(self) -> str:
         text = f"{self.anchors} anchors by a {self.draft}-token source draft"
         if not self.sweeps:

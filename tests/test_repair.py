@@ -141,6 +141,11 @@ def test_repair_settings_are_checked():
         Repair(anchors=4, draft=0)
     with pytest.raises(KVMapError):
         Repair(anchors=4, sweeps=-1)
+    assert Repair.parse("240:32:2") == Repair(240, 32, 2)
+    assert Repair.parse("112:8") == Repair(112, 8)
+    for bad in ("112", "1:2:3:4", "a:8", "-1:8"):
+        with pytest.raises(KVMapError):
+            Repair.parse(bad)
     parallel = "8 anchors by a 32-token source draft (2 parallel sweeps)"
     assert str(Repair(8, 32, sweeps=2)) == parallel
     assert str(Repair(8, 2)) == "8 anchors by a 2-token source draft"
