@@ -4,7 +4,9 @@
 # 1. the kernel tests on CUDA: translate_pages' compiled Triton body against the torch
 #    reference, every mapper family, dtype and RoPE layout (tests/test_kernels.py);
 # 2. benchmarks/kernel_speed.py: Triton vs torch bodies vs the target's re-prefill on the real
-#    pair's geometry, both directions, 512 / 2,048 / 8,192 tokens -> OUT_DIR/kernel_speed.json.
+#    pair's geometry, both directions, 512 / 2,048 / 8,192 tokens -> OUT_DIR/kernel_speed.json,
+#    with what a hand-off repair adds on the GPU: the source's draft, serial vs parallel
+#    (Repair.sweeps), and the target's hand-off forward over 0 / 112 / 240 anchors + tail.
 # Needs torch, triton, transformers, safetensors, click, tqdm and pytest (a CUDA image of
 # PyTorch has them); sgl-kvmap runs from this checkout, nothing is installed. The SGLang
 # end-to-end check is separate: benchmarks/sglang_e2e.sh (it needs the models and SGLang).

@@ -16,7 +16,14 @@ Per prompt length, medians of --repeats (CUDA events on a GPU):
 - ``prefill``: the target's forward over the prompt (transformers, SDPA attention).
 Ratios: prefill over the translate path with each body (translate + layer0 + sinks). Also
 the largest difference between the two bodies' outputs, relative to the outputs' largest
-magnitude. Writes benchmarks/results/kernel_speed.json (or --out). No asserts.
+magnitude.
+
+What a hand-off repair adds (``transfer.Repair``; one row per direction and length, with the
+source model randomly initialised too): the source's draft that picks the anchors, serial
+(one forward per drafted token) or parallel (``sweeps``: 1 + s forwards over the whole draft),
+and the target's one hand-off forward over the sinks, the anchors, a 32-token tail and the
+last prompt token, against the same forward without anchors and without tail (what the first
+decoding step costs anyway). Writes benchmarks/results/kernel_speed.json (or --out). No asserts.
 """
 
 from __future__ import annotations
@@ -32,11 +39,12 @@ from pathlib import Path
 import click
 import torch
 
-from sgl_kvmap.capture import first_layer_kv, run
+from sgl_kvmap.capture import KVCache, first_layer_kv, forward_scattered, run
 from sgl_kvmap.fit import KINDS, LayerMap
 from sgl_kvmap.kernels import PagedKV, translate_pages
 from sgl_kvmap.mapper import KVMapper
 from sgl_kvmap.spec import spec_from_config
+from sgl_kvmap.transfer import draft_attention, handoff_positions, handoff_split
 
 CONFIGS = Path(__file__).parent / "configs"
 RESULTS = Path(__file__).parent / "results"
@@ -44,6 +52,9 @@ PAIR = ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
 SINK_TOKENS = 4
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # on a CPU: checks the script, not speed
 FAMILIES = {"rank-1024": {"rank": 1024}, "k-16": {"k": 16}}
+REPAIR_TAIL = 32
+REPAIR_ANCHORS = (0, 112, 240)
+DRAFTS = ((8, 0), (32, 0), (32, 1), (32, 2), (32, 4))  # (drafted tokens, parallel sweeps)
 
 
 class _SharedVocab:
@@ -131,18 +142,27 @@ def timed(fn, repeats: int, device: str) -> float:
 )  # fmt: skip
 @click.option("--repeats", default=20, show_default=True)
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=RESULTS)
-def main(device, dtype, token_counts, repeats, out) -> None:
+@click.option(
+    "--repairs/--no-repairs", default=True, show_default=True,
+    help="Also time the hand-off repair's draft and forward (see the module doc).",
+)  # fmt: skip
+def main(device, dtype, token_counts, repeats, out, repairs) -> None:
     dtype = getattr(torch, dtype)
     configs = {name: pair_config(name) for name in PAIR}
     specs = {name: spec_from_config(configs[name], _SharedVocab(), model_id=name) for name in PAIR}
-    rows = []
+    rows, repair_rows = [], []
     for source, target in (PAIR, PAIR[::-1]):
         model = target_model(configs[target], dtype, device)
+        source_model = target_model(configs[source], dtype, device) if repairs else None
         for tokens in token_counts:
             for row in measure(specs[source], specs[target], model, tokens, repeats):
                 rows.append({"direction": f"{source} -> {target}", **row})
                 print(_line(rows[-1]))
-        del model
+            if repairs:
+                row = measure_repair(source_model, model, tokens, repeats)
+                repair_rows.append({"direction": f"{source} -> {target}", **row})
+                print(_repair_line(repair_rows[-1]))
+        del model, source_model
         if device == "cuda":
             torch.cuda.empty_cache()
     meta = {
@@ -154,7 +174,8 @@ def main(device, dtype, token_counts, repeats, out) -> None:
     }
     out.mkdir(parents=True, exist_ok=True)
     path = out / "kernel_speed.json"
-    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    result = {"meta": meta, "rows": rows, "repair_rows": repair_rows}
+    path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")
 
 
@@ -205,6 +226,59 @@ def measure(source, target, model, tokens: int, repeats: int) -> list[dict]:
             row["triton_vs_torch_max_rel_diff"] = (diff / outputs["torch"].abs().max()).item()
         rows.append(row)
     return rows
+
+
+@torch.inference_mode()
+def measure_repair(source_model, model, tokens: int, repeats: int) -> dict:
+    """What a repaired hand-off of a ``tokens``-token prompt costs beyond the map (module doc).
+
+    The target's own cache of the translated tokens stands in for the translated one (the same
+    shapes, so the same cost); anchors are spread at random over the translated tokens.
+    """
+    device = model.device.type
+    ids = torch.randint(0, model.config.vocab_size, (tokens,), device=device)
+    split = handoff_split(tokens, REPAIR_TAIL)
+    source_cache, target_cache = run(source_model, ids[:split]).cache, run(model, ids[:split]).cache
+    draft = {
+        f"{count}:{sweeps}": timed(
+            lambda c=count, s=sweeps: draft_attention(source_model, source_cache, ids, c, s),
+            repeats, device,
+        )
+        for count, sweeps in DRAFTS
+    }  # fmt: skip
+    first_step = timed(lambda: handoff_forward(model, target_cache, ids, 0, 0), repeats, device)
+    forward = {
+        anchors: timed(
+            lambda a=anchors: handoff_forward(model, target_cache, ids, REPAIR_TAIL, a),
+            repeats, device,
+        )
+        for anchors in REPAIR_ANCHORS
+    }  # fmt: skip
+    return {
+        "tokens": tokens, "tail": REPAIR_TAIL, "draft_seconds": draft,
+        "handoff_seconds_by_anchors": forward, "first_step_seconds": first_step,
+    }  # fmt: skip
+
+
+def handoff_forward(model, cache: KVCache, ids: torch.Tensor, tail: int, anchors: int):
+    """The target's hand-off forward over the sinks, ``anchors`` random translated tokens, the
+    last ``tail`` prompt tokens and the last one, over ``cache`` (the translated tokens)."""
+    split = handoff_split(ids.numel(), tail)
+    picked = (torch.randperm(split - SINK_TOKENS, generator=torch.Generator().manual_seed(0))
+              [:anchors] + SINK_TOKENS)  # fmt: skip
+    positions = handoff_positions(ids.numel(), tail, SINK_TOKENS, picked.sort().values)
+    return forward_scattered(model, cache.slice(0, split), ids, positions, 1)
+
+
+def _repair_line(row: dict) -> str:
+    ms = lambda seconds: f"{seconds * 1e3:.1f}"  # noqa: E731
+    drafts = " ".join(f"{k} {ms(v)}" for k, v in row["draft_seconds"].items())
+    forwards = " ".join(f"{k} {ms(v)}" for k, v in row["handoff_seconds_by_anchors"].items())
+    return (
+        f"{row['direction']:<42} repair {row['tokens']:>6} tok | ms: draft (tokens:sweeps) "
+        f"{drafts} | hand-off forward by anchors (tail {row['tail']}) {forwards} | first "
+        f"decoding step {ms(row['first_step_seconds'])}"
+    )
 
 
 def _line(row: dict) -> str:

@@ -211,7 +211,8 @@ def forward_scattered(
     Used to recompute chosen tokens (``recompute_tokens``) and to fuse the target's sink
     tokens into the hand-off forward (``transfer.handoff``).
     """
-    total, positions = len(cache), positions.sort().values
+    device = token_ids.device
+    total, positions = len(cache), positions.to(device).sort().values
     count = positions.numel()
     if count == 0:
         return ForwardResult(None, cache)
@@ -220,7 +221,7 @@ def forward_scattered(
     if (
         positions[0] < 0
         or positions.unique().numel() != count
-        or not torch.equal(appended, torch.arange(total, total + appended.numel()))
+        or not torch.equal(appended, torch.arange(total, total + appended.numel(), device=device))
     ):
         raise ValueError(
             f"positions must be distinct indices in [0, {total}) plus the run {total}, "
@@ -229,12 +230,13 @@ def forward_scattered(
     if token_ids.numel() < end:
         raise ValueError(f"token_ids has {token_ids.numel()} tokens, positions reach {end}")
     inside = positions[positions < total]
-    allowed = torch.zeros(count, total + count, dtype=torch.bool)
-    allowed[:, :total] = torch.arange(total)[None] < positions[:, None]
+    allowed = torch.zeros(count, total + count, dtype=torch.bool, device=device)
+    allowed[:, :total] = torch.arange(total, device=device)[None] < positions[:, None]
     allowed[:, inside] = False  # their stale entries: the recomputed ones replace them
-    allowed[:, total:] = torch.ones(count, count, dtype=torch.bool).tril()
+    allowed[:, total:] = torch.ones(count, count, dtype=torch.bool, device=device).tril()
     dtype = cache.keys[0].dtype
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)
     with torch.no_grad():
         out = model(
             input_ids=token_ids[positions][None],
@@ -271,7 +273,7 @@ def _scatter_rows(
 ) -> torch.Tensor:
     """[end, ...] from ``rows: [total + N, ...]`` (the cache, then the N tokens of a scattered
     forward): the cache's rows, with the new ones at ``positions``."""
-    out = torch.empty((end, *rows.shape[1:]), dtype=rows.dtype)
+    out = torch.empty((end, *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
     out[:total] = rows[:total]
     out[positions] = rows[total:]
     return out

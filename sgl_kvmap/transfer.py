@@ -249,7 +249,7 @@ def lookup_guess(context: torch.Tensor, length: int, max_ngram: int = 3) -> torc
     extended = context.tolist()
     for i in range(length):
         extended.append(extended[start + i])
-    return torch.tensor(extended[context.numel() :], dtype=context.dtype)
+    return torch.tensor(extended[context.numel() :], dtype=context.dtype, device=context.device)
 
 
 def _latest_match_end(context: torch.Tensor, max_ngram: int) -> int | None:
@@ -284,6 +284,7 @@ def _with_sinks(anchors: torch.Tensor | None, sink_tokens: int, translated: int)
     sinks = torch.arange(min(sink_tokens, translated))
     if anchors is None or anchors.numel() == 0:
         return sinks
+    anchors = anchors.cpu()
     if anchors.min() < 0 or anchors.max() >= translated:
         raise ValueError(f"anchors must lie in [0, {translated}), got {anchors}")
     return torch.cat((sinks, anchors)).unique()
