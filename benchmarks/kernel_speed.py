@@ -238,7 +238,8 @@ def measure_repair(source_model, model, tokens: int, repeats: int) -> dict:
     device = model.device.type
     ids = torch.randint(0, model.config.vocab_size, (tokens,), device=device)
     split = handoff_split(tokens, REPAIR_TAIL)
-    source_cache, target_cache = run(source_model, ids[:split]).cache, run(model, ids[:split]).cache
+    source_cache = run(source_model, ids[:split]).cache
+    target_cache = run(model, ids[:-1]).cache  # sliced to each hand-off's translated tokens
     draft = {
         f"{count}:{sweeps}": timed(
             lambda c=count, s=sweeps: draft_attention(source_model, source_cache, ids, c, s),
