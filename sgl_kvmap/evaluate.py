@@ -292,6 +292,14 @@ class EvalRuns:
             self._runs[key] = self._run(model, self.windows[index])
         return self._runs[key]
 
+    def forget(self, index: int) -> None:
+        """Drop every model's memoised run of window ``index`` (each holds a full KV cache)."""
+        self._runs = {key: run for key, run in self._runs.items() if key[1] != index}
+
+    def __len__(self) -> int:
+        """Runs memoised now."""
+        return len(self._runs)
+
     def _run(self, model: LoadedModel, window: torch.Tensor) -> OwnRun:
         keep, labels = self.continuation + 1, window[self.prefix_len :]
         full = run(model.model, window, logits_to_keep=keep, want_queries=True)
@@ -316,11 +324,14 @@ def evaluate(
     """Fidelity of ``mapper`` on ``windows`` (each ``[>= prefix_len + continuation]`` token ids).
 
     Pass the same ``runs`` (an EvalRuns over these windows) to several calls to reuse the
-    models' own passes. ``repair``: also score the hand-off that recomputes the tail and the
+    models' own passes (they stay memoised); without it each window's passes are dropped once
+    it is scored. ``repair``: also score the hand-off that recomputes the tail and the
     repair's anchors (picked by the source's draft after the prompt).
     """
     check_models(mapper, source.spec, target.spec)
-    runs = runs or EvalRuns(windows, prefix_len, continuation)
+    shared = runs is not None  # a caller's runs are kept for its next call; our own are not
+    if runs is None:
+        runs = EvalRuns(windows, prefix_len, continuation)
     if (runs.prefix_len, runs.continuation, len(runs.windows)) != (
         prefix_len,
         continuation,
@@ -333,6 +344,8 @@ def evaluate(
             mapper, runs.get(source, i), runs.get(target, i), source, target, runs, i, tail,
             repair, acc,
         )  # fmt: skip
+        if not shared:
+            runs.forget(i)  # memory stays flat in the number of windows
     per_head_r2 = {kind: 1 - acc.sse[kind] / acc.sst[kind] for kind in ("k", "v")}
     return EvalReport(
         reference=acc.quality("reference"), mapped=acc.quality("mapped"),

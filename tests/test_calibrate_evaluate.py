@@ -139,7 +139,7 @@ def test_shared_runs_give_the_same_report_and_refuse_other_windows(tiny_pair, te
     windows = eval_windows(target.tokenizer, expand_paths([text_dir / "eval"]), 80, 2)
     runs = EvalRuns(windows, 48, 32)
     first = evaluate(mapper, source, target, windows, 48, 32, tail=8, runs=runs)
-    assert len(runs._runs) == 4  # two models x two windows, each run once
+    assert len(runs) == 4  # two models x two windows, each run once
     again = evaluate(mapper, source, target, windows, 48, 32, tail=8, runs=runs)
     fresh = evaluate(mapper, source, target, windows, 48, 32, tail=8)
     assert again.to_dict() == first.to_dict()
@@ -148,6 +148,8 @@ def test_shared_runs_give_the_same_report_and_refuse_other_windows(tiny_pair, te
     )
     with pytest.raises(ValueError, match="other windows"):
         evaluate(mapper, source, target, windows, 40, 32, tail=8, runs=runs)
+    runs.forget(0)  # what evaluate does with runs of its own after each window
+    assert len(runs) == 2 and all(key[1] == 1 for key in runs._runs)
 
 
 def test_statistics_grown_in_steps_through_a_file_equal_one_pass(tiny_pair, tmp_path):
