@@ -177,13 +177,18 @@ DIRECTIONS = ("0.5B->1.5B", "1.5B->0.5B")
 CONDITIONS = ("reference", "mapped", "mapped_tail", "repaired", "source", "no_prefix")
 
 
-def _repair(ctx, param, value: str | None) -> Repair | None:
-    if value is None:
-        return None
-    try:
-        return Repair.parse(value)
-    except KVMapError as error:
-        raise click.BadParameter(str(error)) from error
+class RepairType(click.ParamType):
+    """A hand-off repair written ANCHORS:DRAFT[:SWEEPS] (``Repair.parse``)."""
+
+    name = "ANCHORS:DRAFT[:SWEEPS]"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, Repair):
+            return value
+        try:
+            return Repair.parse(value)
+        except KVMapError as error:
+            self.fail(str(error), param, ctx)
 
 
 @click.command()
@@ -203,7 +208,7 @@ def _repair(ctx, param, value: str | None) -> Repair | None:
 )
 @click.option(
     "--repair",
-    callback=_repair,
+    type=RepairType(),
     help="Also score (and time) the hand-off repair ANCHORS:DRAFT[:SWEEPS] over the main tail.",
 )
 @click.option(

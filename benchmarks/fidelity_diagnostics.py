@@ -308,12 +308,7 @@ def draft_lever(mapped, src, source, target, prompt, mapper) -> dict:
     greedily after it (over its own exact cache): a guess at the continuation's queries,
     available at hand-off. prompt: the whole prompt, the hand-off token last."""
     split = prompt.numel() - 1
-    cache, token, queries = src.cache.slice(0, split), prompt[split:], []
-    for _ in range(DRAFT):
-        step = run(source.model, token, past=cache, logits_to_keep=1, want_queries=True)
-        cache, token = step.cache, step.logits[-1].argmax()[None]
-        queries.append(step.queries)
-    paid = attention_paid([torch.cat(q) for q in zip(*queries)], cache.keys)[:split]
+    paid = draft_attention(source.model, src.cache.slice(0, split), prompt, DRAFT)
     end = split - PROBE
     anchors = torch.cat(
         (top_tokens(paid, SELECTOR_ANCHORS, mapper.sink_tokens, end), torch.arange(end, split))

@@ -39,7 +39,7 @@ from pathlib import Path
 import click
 import torch
 
-from sgl_kvmap.capture import KVCache, first_layer_kv, forward_scattered, run
+from sgl_kvmap.capture import first_layer_kv, forward_scattered, run
 from sgl_kvmap.fit import KINDS, LayerMap
 from sgl_kvmap.kernels import PagedKV, translate_pages
 from sgl_kvmap.mapper import KVMapper
@@ -247,28 +247,27 @@ def measure_repair(source_model, model, tokens: int, repeats: int) -> dict:
         )
         for count, sweeps in DRAFTS
     }  # fmt: skip
-    first_step = timed(lambda: handoff_forward(model, target_cache, ids, 0, 0), repeats, device)
-    forward = {
-        anchors: timed(
-            lambda a=anchors: handoff_forward(model, target_cache, ids, REPAIR_TAIL, a),
-            repeats, device,
-        )
-        for anchors in REPAIR_ANCHORS
-    }  # fmt: skip
+
+    def forward_time(tail: int, anchors: int) -> float:
+        split, positions = handoff_split(tokens, tail), random_handoff(tokens, tail, anchors)
+        cache = target_cache.slice(0, split)
+        return timed(lambda: forward_scattered(model, cache, ids, positions, 1), repeats, device)
+
+    first_step = forward_time(0, 0)
+    forward = {anchors: forward_time(REPAIR_TAIL, anchors) for anchors in REPAIR_ANCHORS}
     return {
         "tokens": tokens, "tail": REPAIR_TAIL, "draft_seconds": draft,
         "handoff_seconds_by_anchors": forward, "first_step_seconds": first_step,
     }  # fmt: skip
 
 
-def handoff_forward(model, cache: KVCache, ids: torch.Tensor, tail: int, anchors: int):
-    """The target's hand-off forward over the sinks, ``anchors`` random translated tokens, the
-    last ``tail`` prompt tokens and the last one, over ``cache`` (the translated tokens)."""
-    split = handoff_split(ids.numel(), tail)
+def random_handoff(tokens: int, tail: int, anchors: int) -> torch.Tensor:
+    """Positions of a hand-off forward of a ``tokens``-token prompt: the sinks, ``anchors``
+    translated tokens drawn at random (seeded), the last ``tail`` prompt tokens and the last."""
+    split = handoff_split(tokens, tail)
     picked = (torch.randperm(split - SINK_TOKENS, generator=torch.Generator().manual_seed(0))
               [:anchors] + SINK_TOKENS)  # fmt: skip
-    positions = handoff_positions(ids.numel(), tail, SINK_TOKENS, picked.sort().values)
-    return forward_scattered(model, cache.slice(0, split), ids, positions, 1)
+    return handoff_positions(tokens, tail, SINK_TOKENS, picked.sort().values)
 
 
 def _repair_line(row: dict) -> str:

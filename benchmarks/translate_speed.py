@@ -21,12 +21,11 @@ from pathlib import Path
 
 import click
 import torch
+from fidelity import RepairType
 
 from sgl_kvmap import KVMapper, load_model
-from sgl_kvmap.errors import KVMapError
 from sgl_kvmap.texts import prompt_of_length
 from sgl_kvmap.timing import measure_speed
-from sgl_kvmap.transfer import Repair
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -43,7 +42,7 @@ RESULTS = Path(__file__).parent / "results"
     "--repair",
     "repairs",
     multiple=True,
-    callback=lambda ctx, param, values: [_repair(value) for value in values],
+    type=RepairType(),
     help="Also time this hand-off repair, ANCHORS:DRAFT[:SWEEPS] (repeatable).",
 )
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None)
@@ -82,13 +81,6 @@ def main(packs, token_counts, repeats, dtype, tail, repairs, out) -> None:
     )
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     print(f"wrote {path}")
-
-
-def _repair(value: str) -> Repair:
-    try:
-        return Repair.parse(value)
-    except KVMapError as error:
-        raise click.BadParameter(str(error)) from error
 
 
 if __name__ == "__main__":
