@@ -133,6 +133,33 @@ def test_positions_are_where_the_pages_sit_in_the_sequence(tiny_pair, tiny_mappe
     torch.testing.assert_close(dst_pool.keys[1], whole.keys[1][32:], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_pool_address_tables_are_copied_once_and_follow_moved_buffers(tiny_pair, tiny_mapper):
+    """An engine translates into the same pools again and again: their layer-address tables
+    reach the device once. A layer buffer that moves gets a table of its new address."""
+    from sgl_kvmap.kernels import triton_translate
+
+    source, target = tiny_pair
+    mapper = tiny_mapper.to(DEVICE)
+    cache = capture_kv(source.model, torch.randint(0, 100, (24,)))
+    src_pool, dst_pool = pool(source.spec, 24, device=DEVICE), pool(target.spec, 24, device=DEVICE)
+    for buffer, layer in zip(src_pool.keys + src_pool.values, cache.keys + cache.values):
+        buffer[:] = layer.to(DEVICE)
+    slots = torch.arange(24, device=DEVICE)
+    positions = cache.positions.to(DEVICE)
+    translate_pages(mapper, src_pool, slots, dst_pool, slots, positions, backend="triton")
+    built = triton_translate._device_table.cache_info().misses
+    translate_pages(mapper, src_pool, slots, dst_pool, slots, positions, backend="triton")
+    assert triton_translate._device_table.cache_info().misses == built
+    dst_pool.values[1] = torch.full_like(dst_pool.values[1], float("nan"))  # moved
+    translate_pages(mapper, src_pool, slots, dst_pool, slots, positions, backend="triton")
+    assert triton_translate._device_table.cache_info().misses == built + 1
+    want = mapper.map(type(cache)(
+        [k.to(DEVICE) for k in cache.keys], [v.to(DEVICE) for v in cache.values], positions
+    ))  # fmt: skip
+    torch.testing.assert_close(dst_pool.values[1], want.values[1], **_tolerance(torch.float32))
+
+
 def test_wrong_pools_and_indices_are_refused(tiny_pair, tiny_mapper):
     source, target = tiny_pair
     slots = torch.arange(4)

@@ -17,6 +17,7 @@ interpreter (``TRITON_INTERPRET=1``, the CPU tests) reproduces it exactly.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -162,22 +163,27 @@ def translate(mapper, source, source_slots, target, target_slots, positions) -> 
 
 
 def _addresses(layers: list[torch.Tensor]) -> torch.Tensor:
-    """[layers] int64: each layer buffer's address."""
-    return torch.tensor([layer.data_ptr() for layer in layers], dtype=torch.int64).to(
-        layers[0].device
-    )
+    """[layers] int64 on the layers' device: each layer buffer's address.
+
+    An engine's pools keep their buffers for the server's life, so the table of a pool is
+    built and copied to the device once (cached by the addresses themselves, which is all it
+    holds; a pool reallocated elsewhere gets a new entry)."""
+    return _device_table(tuple(layer.data_ptr() for layer in layers), layers[0].device)
+
+
+@functools.lru_cache(maxsize=64)
+def _device_table(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64).to(device)
 
 
 def _output_tables(products, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Per target layer, the address of its [t, width] block in its group's product and that
-    product's row stride: ([Lt] int64, [Lt] int64)."""
+    product's row stride: ([Lt] int64, [Lt] int64), one host-to-device copy for both."""
     layers = sum(len(group) for group, _ in products)
-    ptrs, strides = [0] * layers, [0] * layers
+    table = [[0] * layers, [0] * layers]  # addresses, row strides
     for group, y in products:
         for i, layer in enumerate(group):
-            ptrs[layer] = y.data_ptr() + i * width * y.element_size()
-            strides[layer] = y.stride(0)
-    return (
-        torch.tensor(ptrs, dtype=torch.int64).to(device),
-        torch.tensor(strides, dtype=torch.int64).to(device),
-    )
+            table[0][layer] = y.data_ptr() + i * width * y.element_size()
+            table[1][layer] = y.stride(0)
+    ptrs, strides = torch.tensor(table, dtype=torch.int64).to(device)
+    return ptrs, strides
