@@ -230,6 +230,38 @@ def bootstrap_interval(
     return low, high
 
 
+def paired_difference(
+    before: torch.Tensor,
+    after: torch.Tensor,
+    level: float = INTERVAL_LEVEL,
+    draws: int = BOOTSTRAP_DRAWS,
+    seed: int = 0,
+) -> dict[str, float]:
+    """How much ``after`` beats ``before`` over the same windows: the mean of the per-window
+    differences, its standard error, and its percentile-bootstrap interval (windows resampled
+    with replacement, one draw for both, so what both runs share cancels).
+
+    before, after: [windows] per-window scores of two runs on the same windows (windows of
+    one length, so a mean over windows is the pooled score)."""
+    if before.shape != after.shape or before.ndim != 1 or before.numel() < 2:
+        raise ValueError(
+            f"need two [windows] score vectors of one length >= 2, got {tuple(before.shape)} "
+            f"and {tuple(after.shape)}"
+        )
+    difference = (after - before).double()
+    windows = difference.numel()
+    generator = torch.Generator().manual_seed(seed)
+    means = difference[torch.randint(windows, (draws, windows), generator=generator)].mean(1)
+    tails = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=means.dtype)
+    low, high = torch.quantile(means, tails).tolist()
+    return {
+        "mean": difference.mean().item(),
+        "se": (difference.std() / windows**0.5).item(),
+        "low": low,
+        "high": high,
+    }
+
+
 @dataclass
 class _Accumulator:
     """Running sums over windows."""

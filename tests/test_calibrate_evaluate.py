@@ -7,7 +7,7 @@ import torch
 from sgl_kvmap import CalibrationConfig, evaluate, fit_mapper
 from sgl_kvmap.capture import LoadedModel, run
 from sgl_kvmap.errors import KVMapError, PairMismatchError
-from sgl_kvmap.evaluate import RATIOS, bootstrap_interval
+from sgl_kvmap.evaluate import RATIOS, bootstrap_interval, paired_difference
 from sgl_kvmap.spec import spec_from_config
 from sgl_kvmap.texts import eval_windows, expand_paths
 
@@ -273,3 +273,20 @@ def test_code_corpus_is_the_stdlib_and_dependency_sources_never_evaluation_packa
     assert not set(files) & set(default_eval_files())
     assert set(package_files(EVAL_PACKAGES)) <= set(default_eval_files())
     assert package_files(["no_such_package_here"]) == []
+
+
+def test_paired_difference_cancels_what_the_runs_share():
+    """Windows differ far more than two runs on them do: pairing sees the runs' small, steady
+    difference where an unpaired comparison would see noise."""
+    generator = torch.Generator().manual_seed(2)
+    before = torch.rand(64, generator=generator, dtype=torch.float64)  # spread ~0.29
+    after = before + 0.02 + 0.005 * torch.randn(64, generator=generator, dtype=torch.float64)
+    paired = paired_difference(before, after)
+    assert paired["low"] < 0.02 < paired["high"] and 0 < paired["low"]
+    assert paired["mean"] == pytest.approx((after - before).mean().item())
+    assert paired["se"] < 0.001 < before.std().item() / 8  # unpaired SE of one run's mean
+    assert paired_difference(after, before)["mean"] == pytest.approx(-paired["mean"])
+    same = paired_difference(before, before)
+    assert same == {"mean": 0.0, "se": 0.0, "low": 0.0, "high": 0.0}
+    with pytest.raises(ValueError, match="one length"):
+        paired_difference(before, after[:10])
