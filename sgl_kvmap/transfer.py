@@ -53,7 +53,7 @@ class Repair:
     """
 
     anchors: int
-    draft: int = 8
+    draft: int = 2  # at 240 anchors as good as a 32-token draft (README: repair)
     sweeps: int = 0
 
     def __post_init__(self) -> None:
