@@ -16,9 +16,8 @@ import json
 from pathlib import Path
 
 import click
-import torch
 
-from sgl_kvmap.evaluate import CONDITIONS, INTERVAL_LEVEL, paired_difference
+from sgl_kvmap.evaluate import CONDITIONS, INTERVAL_LEVEL, paired_difference, window_scores
 
 
 def load_run(path: Path) -> dict:
@@ -38,17 +37,12 @@ def check_same_windows(before: dict, after: dict) -> None:
         raise click.UsageError("the target's own per-window scores differ: not the same windows")
 
 
-def scores(run: dict, condition: str, metric: str) -> torch.Tensor:
-    """[windows] float64: one condition's per-window accuracy or NLL."""
-    return torch.tensor([w[condition][metric] for w in run["by_window"]], dtype=torch.float64)
-
-
 def comparison_rows(before: dict, after: dict, conditions: list[str]) -> list[str]:
     rows = []
     for condition in conditions:
         cells = [condition]
         for metric in ("accuracy", "nll"):
-            a, b = scores(before, condition, metric), scores(after, condition, metric)
+            a, b = (window_scores(run["by_window"], condition, metric) for run in (before, after))
             d = paired_difference(a, b)
             cells += [
                 f"{a.mean():.3f} -> {b.mean():.3f}",

@@ -25,7 +25,6 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import click
-import torch
 
 from sgl_kvmap.calibrate import (
     CalibrationConfig,
@@ -40,7 +39,7 @@ from sgl_kvmap.calibrate import (
 from sgl_kvmap.capture import load_model
 from sgl_kvmap.default_pair import LARGE, SMALL, cache_root, ensure_model
 from sgl_kvmap.errors import KVMapError
-from sgl_kvmap.evaluate import EvalRuns, bootstrap_interval, evaluate
+from sgl_kvmap.evaluate import EvalRuns, bootstrap_interval, evaluate, window_scores
 from sgl_kvmap.texts import (
     code_corpus_files,
     default_eval_files,
@@ -502,8 +501,7 @@ def _intervals(r: dict) -> str:
         return "-"
     condition = "repaired" if r.get("repair") else "mapped_tail"
     accuracy = {
-        name: torch.tensor([w[name]["accuracy"] for w in r["by_window"]], dtype=torch.float64)
-        for name in ("reference", "source", condition)
+        name: window_scores(r["by_window"], name) for name in ("reference", "source", condition)
     }
     spans = [bootstrap_interval(accuracy, condition, base) for base in (None, "source")]
     return " / ".join("n/a" if s is None else f"{s[0]:.2f}-{s[1]:.2f}" for s in spans)

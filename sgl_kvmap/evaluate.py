@@ -215,9 +215,7 @@ def bootstrap_interval(
     length, so a mean over windows is the pooled accuracy). Draws where the ratio is undefined
     (a zero denominator) are dropped; None when most are."""
     reference = accuracy["reference"]
-    windows = reference.numel()
-    generator = torch.Generator().manual_seed(seed)
-    picks = torch.randint(windows, (draws, windows), generator=generator)
+    picks = _resampled_windows(reference.numel(), draws, seed)
     mean = {name: values[picks].mean(1) for name, values in accuracy.items()}  # [draws] each
     offset = mean[baseline] if baseline is not None else torch.zeros(draws, dtype=reference.dtype)
     spread = mean["reference"] - offset
@@ -225,9 +223,13 @@ def bootstrap_interval(
     if defined.sum() * 2 <= draws:
         return None
     ratio = (mean[condition] - offset)[defined] / spread[defined]
-    tails = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=ratio.dtype)
-    low, high = torch.quantile(ratio, tails).tolist()
-    return low, high
+    return _percentile_interval(ratio, level)
+
+
+def window_scores(by_window: list[dict], condition: str, metric: str = "accuracy") -> torch.Tensor:
+    """[windows] float64: one condition's per-window accuracy or NLL, from a report's JSON form
+    (``EvalReport.to_dict()["by_window"]``, as `eval --json` and the benchmarks write it)."""
+    return torch.tensor([w[condition][metric] for w in by_window], dtype=torch.float64)
 
 
 def paired_difference(
@@ -250,16 +252,27 @@ def paired_difference(
         )
     difference = (after - before).double()
     windows = difference.numel()
-    generator = torch.Generator().manual_seed(seed)
-    means = difference[torch.randint(windows, (draws, windows), generator=generator)].mean(1)
-    tails = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=means.dtype)
-    low, high = torch.quantile(means, tails).tolist()
+    means = difference[_resampled_windows(windows, draws, seed)].mean(1)  # [draws]
+    low, high = _percentile_interval(means, level)
     return {
         "mean": difference.mean().item(),
         "se": (difference.std() / windows**0.5).item(),
         "low": low,
         "high": high,
     }
+
+
+def _resampled_windows(windows: int, draws: int, seed: int) -> torch.Tensor:
+    """[draws, windows] window indices drawn with replacement (fixed seed)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(windows, (draws, windows), generator=generator)
+
+
+def _percentile_interval(samples: torch.Tensor, level: float) -> tuple[float, float]:
+    """The central ``level`` percentile interval of [draws] bootstrap samples."""
+    tails = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=samples.dtype)
+    low, high = torch.quantile(samples, tails).tolist()
+    return low, high
 
 
 @dataclass
