@@ -107,11 +107,12 @@ MIXED = {
 }
 CONFIGS.update({name: CONFIGS[fitted] for name, (fitted, _, _) in MIXED.items()})
 # downstream tuning (``tune.tune_mapper``) after a fitted configuration, named
-# FIT-tune[-code][-kl][-lr-RATE][-tail]-STEPS: "-code" tunes on the stdlib and the sources of
-# sgl-kvmap's other dependencies (``texts.code_corpus_files``) instead of the stdlib alone;
-# "-kl" on the KL divergence from the target's own predictions instead of the NLL; "-lr-RATE"
-# at a relative rate other than the map family's; "-tail" tunes and scores the hand-off that
-# recomputes the 32-token tail, the table's main tail
+# FIT-tune[-code][-kl][-lr-RATE][-tail][-mlp-H]-STEPS: "-code" tunes on the stdlib and the
+# sources of sgl-kvmap's other dependencies (``texts.code_corpus_files``) instead of the stdlib
+# alone; "-kl" on the KL divergence from the target's own predictions instead of the NLL;
+# "-lr-RATE" at a relative rate other than the map family's; "-tail" tunes and scores the
+# hand-off that recomputes the 32-token tail, the table's main tail; "-mlp-H" grows a non-linear
+# residual of width H on the reduced-rank map (``residual.Residual``) and tunes it with the rest
 # name part -> (label, files); explicit, so a row's name keeps meaning the text it was tuned on
 TUNING_TEXTS = {
     "": ("stdlib", stdlib_files),
@@ -119,7 +120,7 @@ TUNING_TEXTS = {
 }
 TUNED_NAME = re.compile(
     r"(?P<fitted>.+)-tune(?P<text>-code)?(?P<kl>-kl)?(?:-lr-(?P<lr>\d+(?:\.\d+)?e-\d+))?"
-    r"(?P<tail>-tail)?-(?P<steps>[1-9]\d*)"
+    r"(?P<tail>-tail)?(?:-mlp-(?P<mlp>[1-9]\d*))?-(?P<steps>[1-9]\d*)"
 )
 TUNE_TAIL = 32
 
@@ -138,6 +139,7 @@ def tuned_spec(name: str) -> tuple[str, TuneConfig, str] | None:
         objective="kl" if match["kl"] else "nll",
         lr=float(match["lr"]) if match["lr"] else None,
         tail=TUNE_TAIL if match["tail"] else 0,
+        residual_hidden=int(match["mlp"] or 0),
     )
     return match["fitted"], tuning, match["text"] or ""
 
@@ -150,7 +152,7 @@ def config_for(name: str) -> CalibrationConfig:
     if name not in CONFIGS:
         raise click.BadParameter(
             f"unknown configuration {name!r}; fitted ones: {', '.join(sorted(CONFIGS))}; "
-            "tuned ones: FIT-tune[-code][-kl][-lr-RATE][-tail]-STEPS"
+            "tuned ones: FIT-tune[-code][-kl][-lr-RATE][-tail][-mlp-H]-STEPS"
         )
     return CONFIGS[name]
 
@@ -220,7 +222,7 @@ def main(
     save_packs,
 ):  # fmt: skip
     """Run each configuration NAME: a fitted one (CONFIGS) or a tuned one,
-    FIT-tune[-code][-kl][-lr-RATE][-tail]-STEPS."""
+    FIT-tune[-code][-kl][-lr-RATE][-tail][-mlp-H]-STEPS."""
     tails = sorted({0, main_tail, *map(int, tails.split(","))})
     small, large = load_model(str(ensure_model(SMALL))), load_model(str(ensure_model(LARGE)))
     sources = eval_sources(

@@ -289,17 +289,25 @@ def fit(
     help="Prompt tokens the hand-off recomputes (`eval --tail`); the map is tuned and scored "
     "for that hand-off.",
 )
+@click.option(
+    "--residual-hidden",
+    default=TuneConfig.residual_hidden,
+    show_default=True,
+    help="Grow a non-linear residual of this width on a reduced-rank map and tune it with the "
+    "rest (0: the map stays affine).",
+)
 @click.option("--source", "source_path", default=None, help="Default: the pack's source.")
 @click.option("--target", "target_path", default=None, help="Default: the pack's target.")
 def tune(
     pack, out, calibration, steps, lr, prompt_len, continuation, eval_every, objective, warmup,
-    tail, source_path, target_path,
+    tail, residual_hidden, source_path, target_path,
 ) -> None:  # fmt: skip
     """Tune a pack's map on the target's next-token loss over translated caches, save a pack.
 
-    The map stays linear with the same shapes (kernels and the SGLang extension serve it as
-    they serve a fitted one); held-out calibration windows score it every --eval-every steps
-    and the best weights, the fitted ones included, are kept.
+    The map keeps its shapes (kernels and the SGLang extension serve it as they serve a fitted
+    one), affine unless --residual-hidden grows a non-linear residual on it; held-out
+    calibration windows score it every --eval-every steps and the best weights, the fitted ones
+    included, are kept.
     """
     from .capture import load_model
     from .mapper import KVMapper
@@ -311,6 +319,7 @@ def tune(
     config = TuneConfig(
         steps=steps, lr=lr, prompt_len=prompt_len, continuation=continuation,
         eval_every=eval_every, objective=objective, warmup=warmup, tail=tail,
+        residual_hidden=residual_hidden,
     )  # fmt: skip
     tuned, report = tune_mapper(mapper, source, target, list(calibration) or None, config)
     tuned.save_pretrained(out)

@@ -12,6 +12,7 @@ import torch
 from .capture import KVCache
 from .errors import KVMapError
 from .fit import KINDS, LayerMap
+from .residual import Residual, hidden_activations
 from .rope import rope, tables_for_spec, unrope
 from .spec import ModelSpec
 
@@ -33,6 +34,8 @@ class KVMapper:
     calibration recipe and measured metrics recorded in the pack. ``projections[kind]``
     (reduced-rank mappers only): [Ls * ws, rank], shared by every target layer, which then
     reads all source layers and maps the projected features (``maps`` weights [rank, wt]).
+    ``residuals[kind]`` (reduced-rank mappers only, made by tuning): a non-linear residual on
+    the projected features (``residual.Residual``), added to every target layer's affine map.
     """
 
     source: ModelSpec
@@ -43,6 +46,7 @@ class KVMapper:
     sink_tokens: int = 1
     info: dict[str, Any] = field(default_factory=dict)
     projections: dict[str, torch.Tensor] | None = None
+    residuals: dict[str, Residual] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -58,6 +62,11 @@ class KVMapper:
         """Width of the shared projection of a reduced-rank mapper (None: a k-layer mapper)."""
         return None if self.projections is None else self.projections["k"].shape[1]
 
+    @property
+    def residual_hidden(self) -> int | None:
+        """Hidden width of the non-linear residual (None: the map is affine)."""
+        return None if self.residuals is None else self.residuals["k"].hidden
+
     def validate(self) -> None:
         """Check that selection and tensor shapes agree with both specs (raises KVMapError)."""
         if len(self.selection) != self.target.num_layers:
@@ -65,6 +74,7 @@ class KVMapper:
                 f"selection has {len(self.selection)} layers, target has {self.target.num_layers}"
             )
         self._validate_projections()
+        self._validate_residuals()
         for layer, sources in enumerate(self.selection):
             if not sources or any(not 0 <= s < self.source.num_layers for s in sources):
                 raise KVMapError(f"target layer {layer}: invalid source layers {sources}")
@@ -90,6 +100,14 @@ class KVMapper:
             if len(got) != 2 or got != (want, self.rank):
                 raise KVMapError(f"{kind} projection has shape {got}, expected ({want}, rank)")
 
+    def _validate_residuals(self) -> None:
+        if self.residuals is None:
+            return
+        if self.projections is None:
+            raise KVMapError("a non-linear residual needs a reduced-rank mapper (projections)")
+        for kind in KINDS:
+            self.residuals[kind].validate(self.rank, self.target.num_layers, self.target.kv_width)
+
     def map(self, source_cache: KVCache, matmul_dtype: torch.dtype | None = None) -> KVCache:
         """Reference map: source_cache Ls x [t, kv_s, d_s] -> Lt x [t, kv_t, d_t], both post-RoPE.
 
@@ -103,20 +121,8 @@ class KVMapper:
         self._check_source(source_cache)
         matmul_dtype = matmul_dtype or default_matmul_dtype(source_cache.keys[0].dtype)
         positions, t = source_cache.positions, len(source_cache)
-        src_tables, tgt_tables = (
-            tables_for_spec(self.source, positions),
-            tables_for_spec(self.target, positions),
-        )
-        features = {
-            "k": torch.cat(
-                [
-                    unrope(k.float(), src_tables, self.source.rope_style).reshape(t, -1)
-                    for k in source_cache.keys
-                ],
-                dim=1,
-            ),
-            "v": torch.cat([v.float().reshape(t, -1) for v in source_cache.values], dim=1),
-        }
+        tgt_tables = tables_for_spec(self.target, positions)
+        features = self.content_features(source_cache)
         mapped = {kind: [None] * self.target.num_layers for kind in KINDS}
         for kind in KINDS:
             for layers, y_all in self.content_products(kind, features[kind].to(matmul_dtype)):
@@ -131,6 +137,18 @@ class KVMapper:
         values = [v.to(source_cache.values[0].dtype) for v in mapped["v"]]
         return KVCache(keys, values, positions)
 
+    def content_features(self, source_cache: KVCache) -> dict[str, torch.Tensor]:
+        """{"k", "v"}: [t, Ls * ws] float32, every source layer's RoPE-free keys (values) of
+        ``source_cache`` (Ls x [t, kv_s, d_s], post-RoPE) side by side, layer-major: the input
+        of ``content_products``."""
+        self._check_source(source_cache)
+        t, tables = len(source_cache), tables_for_spec(self.source, source_cache.positions)
+        keys = [unrope(k.float(), tables, self.source.rope_style) for k in source_cache.keys]
+        return {
+            "k": torch.cat([k.reshape(t, -1) for k in keys], dim=1),
+            "v": torch.cat([v.float().reshape(t, -1) for v in source_cache.values], dim=1),
+        }
+
     def to(self, device: torch.device | str) -> KVMapper:
         """This mapper with its weights on ``device`` (a new mapper; this one is unchanged).
         Pools translated on a GPU need the mapper there too."""
@@ -143,7 +161,15 @@ class KVMapper:
             if self.projections is None
             else {kind: p.to(device) for kind, p in self.projections.items()}
         )
-        return replace(self, maps=maps, projections=projections, info=copy.deepcopy(self.info))
+        residuals = (
+            None
+            if self.residuals is None
+            else {kind: r.apply(lambda t: t.to(device)) for kind, r in self.residuals.items()}
+        )
+        return replace(
+            self, maps=maps, projections=projections, residuals=residuals,
+            info=copy.deepcopy(self.info),
+        )  # fmt: skip
 
     def content_products(
         self, kind: str, features: torch.Tensor
@@ -151,9 +177,10 @@ class KVMapper:
         """The map's matrix products in content space, in ``features``' dtype.
 
         features: [t, Ls * ws], every source layer's RoPE-free ``kind`` ("k" or "v") features,
-        layer-major (``ws`` = source kv_width). Returns one (target layers, [t, len(layers) *
-        wt]) pair per group of target layers that read the same source layers: the layers'
-        content-space outputs side by side, in the order listed. Shared by ``map`` and the
+        layer-major (``ws`` = source kv_width; ``content_features``). Returns one (target
+        layers, [t, len(layers) * wt]) pair per group of target layers that read the same source
+        layers: the layers' content-space outputs side by side, in the order listed, the
+        non-linear residual (if the mapper has one) included. Shared by ``map`` and the
         paged-pool kernels, so every backend runs the same products.
         """
         t, every = features.shape[0], tuple(range(self.source.num_layers))
@@ -164,7 +191,12 @@ class KVMapper:
             if self.projections is not None:
                 x = x @ self._projection(kind, features.dtype)
             weight, bias = self._stacked(kind, layers, features.dtype)
-            products.append((layers, torch.addmm(bias, x, weight)))
+            y = torch.addmm(bias, x, weight)
+            if self.residuals is not None:  # x: the projected features
+                y = y + hidden_activations(x, self.residuals[kind]) @ self._residual_out(
+                    kind, layers, features.dtype
+                )
+            products.append((layers, y))
         return products
 
     def _layer_groups(self) -> dict[tuple[int, ...], list[int]]:
@@ -185,6 +217,16 @@ class KVMapper:
             return torch.cat(weights, 1).to(dtype), torch.cat(biases).to(dtype)
 
         return self._cached((kind, tuple(layers), dtype), stack, maps[0].weight)
+
+    def _residual_out(self, kind: str, layers: list[int], dtype: torch.dtype) -> torch.Tensor:
+        """The residual's output matrices of ``layers`` side by side, [hidden, len(layers) *
+        wt], in ``dtype``."""
+        outputs = [self.residuals[kind].weights_out[layer] for layer in layers]
+        return self._cached(
+            (kind, "residual", tuple(layers), dtype),
+            lambda: torch.cat(outputs, 1).to(dtype),
+            outputs[0],
+        )
 
     def _projection(self, kind: str, dtype: torch.dtype) -> torch.Tensor:
         projection = self.projections[kind]

@@ -1,13 +1,16 @@
 """Mapper packs: one folder, identical locally and on the Hub.
 
-    mapper.safetensors   k.{layer}.weight / k.{layer}.bias / v.{layer}.* (float32), and for a
-                         reduced-rank mapper k.projection / v.projection
+    mapper.safetensors   k.{layer}.weight / k.{layer}.bias / v.{layer}.* (float32), for a
+                         reduced-rank mapper k.projection / v.projection, and for one with a
+                         non-linear residual k.residual.in.weight / .bias and
+                         k.residual.{layer}.weight (v.* alike)
     kvmap.json           format version, both ModelSpecs + fingerprints, selection, ridge,
                          sink tokens, rank, calibration recipe, metrics, sha256 of the tensors
     README.md            model card generated from kvmap.json
 
 Format version 2 is version 1 plus the optional projections (written only by reduced-rank
-mappers, so every other pack stays readable by version-1 readers).
+mappers, so every other pack stays readable by version-1 readers); version 3 adds the optional
+non-linear residual (``residual_hidden`` in kvmap.json), written only by mappers that have one.
 
 Saving writes a temporary sibling folder and renames it into place, so a crash never leaves a
 half-written pack. Loading checks everything and raises PackError saying what is wrong.
@@ -26,14 +29,15 @@ from safetensors.torch import load_file, save_file
 from .errors import KVMapError, PackError, PairMismatchError
 from .files import replacing_folder, sha256_file
 from .fit import KINDS, LayerMap
+from .residual import Residual
 from .spec import ModelSpec
 
 TENSORS_FILE = "mapper.safetensors"
 CONFIG_FILE = "kvmap.json"
 CARD_FILE = "README.md"
 FORMAT_NAME = "sgl-kvmap"
-FORMAT_VERSION = 2  # the newest this library writes
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3  # the newest this library writes
+READABLE_VERSIONS = (1, 2, 3)
 
 
 def save_pack(mapper, folder: Path) -> Path:
@@ -74,16 +78,27 @@ def load_pack(folder: Path):
             if config.get("rank") is not None
             else None
         )
+        residuals = (
+            {kind: _residual(tensors, kind, len(selection)) for kind in KINDS}
+            if config.get("residual_hidden") is not None
+            else None
+        )
         mapper = KVMapper(
             source=source, target=target, selection=selection, maps=maps,
             ridge=float(config["ridge"]), sink_tokens=int(config["sink_tokens"]),
             info={k: config.get(k, {}) for k in ("calibration", "metrics")},
-            projections=projections,
+            projections=projections, residuals=residuals,
         )  # fmt: skip
     except (KeyError, TypeError, ValueError, SafetensorError) as err:
         raise PackError(f"{folder}: malformed pack ({type(err).__name__}: {err})") from err
     except KVMapError as err:
         raise PackError(f"{folder}: inconsistent pack: {err}") from err
+    unread = sorted(set(tensors) - set(_tensors(mapper)))
+    if unread:
+        raise PackError(
+            f"{folder}: {TENSORS_FILE} holds tensors its {CONFIG_FILE} does not describe "
+            f"({', '.join(unread[:4])}{', ...' if len(unread) > 4 else ''}); re-build the pack"
+        )
     return mapper
 
 
@@ -179,6 +194,12 @@ def _tensors(mapper) -> dict[str, torch.Tensor]:
             out[f"{kind}.{layer}.bias"] = m.bias.float().contiguous()
         if mapper.projections is not None:
             out[f"{kind}.projection"] = mapper.projections[kind].float().contiguous()
+        if mapper.residuals is not None:
+            residual = mapper.residuals[kind]
+            out[f"{kind}.residual.in.weight"] = residual.weight_in.float().contiguous()
+            out[f"{kind}.residual.in.bias"] = residual.bias_in.float().contiguous()
+            for layer, weight in enumerate(residual.weights_out):
+                out[f"{kind}.residual.{layer}.weight"] = weight.float().contiguous()
     return out
 
 
@@ -187,7 +208,7 @@ def _config(mapper, tensors_sha256: str) -> dict[str, Any]:
 
     return {
         "format": FORMAT_NAME,
-        "format_version": 1 if mapper.projections is None else FORMAT_VERSION,
+        "format_version": _format_version(mapper),
         "library_version": __version__,
         "source": mapper.source.to_dict(),
         "target": mapper.target.to_dict(),
@@ -197,10 +218,28 @@ def _config(mapper, tensors_sha256: str) -> dict[str, Any]:
         "ridge": mapper.ridge,
         "sink_tokens": mapper.sink_tokens,
         "rank": mapper.rank,
+        "residual_hidden": mapper.residual_hidden,
         "calibration": mapper.info.get("calibration", {}),
         "metrics": mapper.info.get("metrics", {}),
         "tensors_sha256": tensors_sha256,
     }
+
+
+def _format_version(mapper) -> int:
+    """The oldest format that holds ``mapper``, so older readers keep reading what they can."""
+    if mapper.residuals is not None:
+        return 3
+    return 1 if mapper.projections is None else 2
+
+
+def _residual(tensors: dict[str, torch.Tensor], kind: str, target_layers: int) -> Residual:
+    name = f"{kind} residual"
+    return Residual(
+        _finite(tensors[f"{kind}.residual.in.weight"], name),
+        _finite(tensors[f"{kind}.residual.in.bias"], name),
+        [_finite(tensors[f"{kind}.residual.{layer}.weight"], name)
+         for layer in range(target_layers)],
+    )  # fmt: skip
 
 
 def _spec(config: dict[str, Any], role: str) -> ModelSpec:
@@ -235,8 +274,11 @@ def _spec_difference(a: ModelSpec, b: ModelSpec) -> str:
 
 
 def _rank(config: dict[str, Any]) -> str:
-    rank = config.get("rank")
-    return "" if rank is None else f", through one shared projection of rank {rank}"
+    rank, hidden = config.get("rank"), config.get("residual_hidden")
+    if rank is None:
+        return ""
+    residual = "" if hidden is None else f" plus a non-linear residual of width {hidden}"
+    return f", through one shared projection of rank {rank}{residual}"
 
 
 def _fmt(value: Any) -> str:

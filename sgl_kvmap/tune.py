@@ -15,7 +15,10 @@ best-scoring weights are kept (the fitted ones included), so tuning never return
 is worse on held-out text.
 
 The map stays linear and its shapes do not change: a tuned mapper is saved, loaded, translated
-by the kernels and served by the SGLang extension exactly like a fitted one.
+by the kernels and served by the SGLang extension exactly like a fitted one. With
+``residual_hidden`` a reduced-rank map also grows a small non-linear residual
+(``residual.Residual``), started at zero and trained with the rest; the pack records it, and
+every backend applies it (it is part of ``KVMapper.content_products``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from .errors import KVMapError
 from .fit import KINDS, LayerMap
 from .mapper import KVMapper
 from .pack import check_models
+from .residual import initial_residual, output_rates
 from .texts import calibration_windows, code_corpus_files
 from .transfer import handoff_split, mapped_prefix
 
@@ -64,6 +68,9 @@ class TuneConfig:
     tail) in training and held-out scoring alike, so the map is tuned for that hand-off.
     Every ``eval_every`` steps (and at the end) the map is scored on ``heldout_windows``
     windows from the held-out files (every ``heldout_every``-th file, as the fit splits them).
+    ``residual_hidden`` > 0: a reduced-rank map without a residual gets one of that width
+    (``residual.initial_residual``: zero output, so step 0 is the fitted map), trained with
+    the rest; its output matrices step as far in output as the linear weights of their layer.
     """
 
     steps: int = 60
@@ -77,14 +84,15 @@ class TuneConfig:
     objective: str = "nll"
     warmup: int = 20
     tail: int = 0
+    residual_hidden: int = 0
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
             raise KVMapError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
         if self.steps < 1 or self.eval_every < 1 or self.heldout_windows < 1:
             raise KVMapError(f"need steps, eval_every and heldout_windows >= 1, got {self}")
-        if self.warmup < 0:
-            raise KVMapError(f"need warmup >= 0, got {self.warmup}")
+        if self.warmup < 0 or self.residual_hidden < 0:
+            raise KVMapError(f"need warmup and residual_hidden >= 0, got {self}")
         if not 0 <= self.tail < self.prompt_len - 1:
             raise KVMapError(f"need 0 <= tail < prompt_len - 1, got {self.tail}")
         if (self.lr is not None and self.lr <= 0) or self.prompt_len < 2 or self.continuation < 1:
@@ -127,6 +135,7 @@ class TuneReport:
             "tune_lr": self.config.lr,
             "tune_objective": self.config.objective,
             "tune_tail": self.config.tail,
+            "tune_residual_hidden": self.config.residual_hidden,
             "tune_best_step": self.best_step,
             "tune_train_tokens": self.config.steps * self.config.continuation,
             "tune_heldout_nll_fitted": first["heldout_nll"],
@@ -163,8 +172,8 @@ def tune_mapper(
     training, heldout = tuning_windows(source.tokenizer, calibration, config)
     scored = [(w, _source_cache(source, w, config), _teacher(target, w, config)) for w in heldout]
     guard = f"heldout_{config.objective}"  # the best weights: the lowest held-out objective
-    trainable = _copy(mapper, trainable=True)
-    optimizer = torch.optim.Adam(_relative_groups(_parameters(trainable), config.lr))
+    trainable, groups = _trainable(mapper, config, scored[0][1])
+    optimizer = torch.optim.Adam(groups)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup(config.warmup))
     report, best, losses = TuneReport(config), _copy(mapper), []
     with _frozen(target.model):
@@ -334,12 +343,49 @@ def _copy(mapper: KVMapper, trainable: bool = False) -> KVMapper:
     projections = (
         None if mapper.projections is None else {k: fresh(p) for k, p in mapper.projections.items()}
     )
-    return replace(mapper, maps=maps, projections=projections, info=copy.deepcopy(mapper.info))
+    residuals = mapper.residuals and {k: r.apply(fresh) for k, r in mapper.residuals.items()}
+    return replace(
+        mapper, maps=maps, projections=projections, residuals=residuals,
+        info=copy.deepcopy(mapper.info),
+    )  # fmt: skip
 
 
 def _parameters(mapper: KVMapper) -> list[torch.Tensor]:
     tensors = [t for kind in KINDS for m in mapper.maps[kind] for t in (m.weight, m.bias)]
-    return tensors + list((mapper.projections or {}).values())
+    return tensors + list((mapper.projections or {}).values()) + _residual_tensors(mapper)
+
+
+def _residual_tensors(mapper: KVMapper) -> list[torch.Tensor]:
+    return [t for r in (mapper.residuals or {}).values() for t in r.tensors()]
+
+
+def _trainable(mapper: KVMapper, config: TuneConfig, cache: KVCache):
+    """(a trainable copy of ``mapper``, with a new residual if ``config`` asks for one, and its
+    Adam parameter groups). ``cache``: a source cache whose features scale the new residual."""
+    if not config.residual_hidden or mapper.residuals is not None:
+        trainable = _copy(mapper, trainable=True)
+        return trainable, _relative_groups(_parameters(trainable), config.lr)
+    if mapper.projections is None:
+        raise KVMapError("a non-linear residual needs a reduced-rank map (fit with --rank)")
+    features = mapper.content_features(cache)
+    with torch.no_grad():
+        z = {kind: features[kind] @ mapper.projections[kind].float() for kind in KINDS}
+    residuals = {
+        kind: initial_residual(
+            z[kind], config.residual_hidden, mapper.target.num_layers, mapper.target.kv_width
+        )
+        for kind in KINDS
+    }
+    trainable = _copy(replace(mapper, residuals=residuals), trainable=True)
+    groups = _relative_groups(_parameters(trainable), config.lr)
+    by_tensor = {id(g["params"][0]): g for g in groups}
+    for kind, residual in trainable.residuals.items():
+        # the hidden bias starts at zero against unit-RMS pre-activations: an absolute rate
+        by_tensor[id(residual.bias_in)]["lr"] = config.lr
+        linear = [by_tensor[id(m.weight)]["lr"] for m in trainable.maps[kind]]
+        for weight, rate in zip(residual.weights_out, output_rates(residual, z[kind], linear)):
+            by_tensor[id(weight)]["lr"] = rate
+    return trainable, groups
 
 
 def _relative_groups(tensors: list[torch.Tensor], lr: float) -> list[dict]:

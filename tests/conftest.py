@@ -131,3 +131,24 @@ def fit_tiny_mapper(
     config = CalibrationConfig(top_k=top_k, sink_tokens=0, rank=rank)
     mapper, _ = fit_from_statistics(stats, config)
     return mapper
+
+
+def with_random_residual(mapper, cache, hidden: int = 8):
+    """``mapper`` (reduced-rank) plus a non-linear residual whose output matrices are random
+    (not the zero start), scaled for the features of ``cache``."""
+    import dataclasses
+
+    from sgl_kvmap.residual import Residual, initial_residual
+
+    generator = torch.Generator().manual_seed(7)
+    features = mapper.content_features(cache)
+    residuals = {}
+    for kind in ("k", "v"):
+        z = features[kind] @ mapper.projections[kind]
+        start = initial_residual(z, hidden, mapper.target.num_layers, mapper.target.kv_width)
+        scale = mapper.maps[kind][1].weight.abs().mean()
+        outputs = [torch.randn(w.shape, generator=generator) * scale for w in start.weights_out]
+        residuals[kind] = Residual(
+            start.weight_in, torch.randn(hidden, generator=generator), outputs
+        )
+    return dataclasses.replace(mapper, residuals=residuals)

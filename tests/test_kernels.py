@@ -15,7 +15,7 @@ from sgl_kvmap.capture import capture_kv  # noqa: E402
 from sgl_kvmap.errors import KVMapError  # noqa: E402
 from sgl_kvmap.kernels import PagedKV, translate_pages  # noqa: E402
 
-from .conftest import fit_tiny_mapper, tiny_model  # noqa: E402
+from .conftest import fit_tiny_mapper, tiny_model, with_random_residual  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = [
@@ -42,6 +42,13 @@ def pool(spec, slots: int, dtype=torch.float32, device="cpu") -> PagedKV:
 @pytest.fixture(scope="module")
 def reduced_rank_mapper(tiny_pair):
     return fit_tiny_mapper(*tiny_pair, rank=16)
+
+
+@pytest.fixture(scope="module")
+def residual_mapper(tiny_pair, reduced_rank_mapper):
+    """The reduced-rank mapper with a non-linear residual (part of its content products)."""
+    cache = capture_kv(tiny_pair[0].model, torch.randint(0, 100, (30,)))
+    return with_random_residual(reduced_rank_mapper, cache)
 
 
 def assert_translated(mapper, source, target, backend, src_dtype, dst_dtype=None, tokens=40):
@@ -91,11 +98,12 @@ def _tolerance(dtype) -> dict:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("family", ["k-layer", "reduced-rank"])
+@pytest.mark.parametrize("family", ["k-layer", "reduced-rank", "residual"])
 def test_scattered_slots_get_the_reference_translation(
-    tiny_pair, tiny_mapper, reduced_rank_mapper, dtype, family, backend
+    tiny_pair, tiny_mapper, reduced_rank_mapper, residual_mapper, dtype, family, backend
 ):
-    mapper = tiny_mapper if family == "k-layer" else reduced_rank_mapper
+    mappers = {"k-layer": tiny_mapper, "reduced-rank": reduced_rank_mapper}
+    mapper = mappers.get(family, residual_mapper)
     assert_translated(mapper, *tiny_pair, backend, dtype)
 
 
