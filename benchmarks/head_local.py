@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import click
 import torch
@@ -41,6 +42,7 @@ from sgl_kvmap.fit import (
     r2_by_head,
     top_k_selection,
 )
+from sgl_kvmap.spec import spec_from_pretrained
 from sgl_kvmap.stats import residuals
 from sgl_kvmap.texts import default_eval_files, eval_sources
 
@@ -119,7 +121,9 @@ def heldout_scores(train, heldout, selection, geo, ridge, specs, head_local: boo
 @click.option("--direction", type=click.Choice(DIRECTIONS), default=DIRECTIONS[0])
 @click.option("--evaluate", "evaluate_k", type=int, help="Also evaluate both maps at this k.")
 def main(tokens, ks, direction, evaluate_k):
-    small, large = load_model(str(ensure_model(SMALL))), load_model(str(ensure_model(LARGE)))
+    # the R2 comparison needs only the specs (and cached statistics); a downstream one the models
+    load = load_model if evaluate_k else _specs_only
+    small, large = load(str(ensure_model(SMALL))), load(str(ensure_model(LARGE)))
     config = replace(CAL_128K, tokens=tokens)
     state = statistics_for(small, large, config)
     split = state.forward if direction == DIRECTIONS[0] else state.reverse
@@ -144,6 +148,15 @@ def main(tokens, ks, direction, evaluate_k):
     if evaluate_k:
         rows += _downstream(split, source, target, geo, ridge, specs, scores, evaluate_k, config)
     _write(rows, direction, tokens)
+
+
+def _specs_only(path: str) -> SimpleNamespace:
+    """A stand-in for a loaded model where only its spec (and tokenizer) is read."""
+    from transformers import AutoTokenizer
+
+    return SimpleNamespace(
+        spec=spec_from_pretrained(path), tokenizer=AutoTokenizer.from_pretrained(path)
+    )
 
 
 def _downstream(split, source, target, geo, ridge, specs, scores, k, config):
