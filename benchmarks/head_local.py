@@ -38,12 +38,11 @@ from sgl_kvmap.fit import (
     LayerMap,
     Ridge,
     fit_affine,
+    maps_heldout_r2,
     probe_scores,
-    r2_by_head,
     top_k_selection,
 )
 from sgl_kvmap.spec import spec_from_pretrained
-from sgl_kvmap.stats import residuals
 from sgl_kvmap.texts import default_eval_files, eval_sources
 
 RESULTS = Path(__file__).parent / "results"
@@ -75,18 +74,14 @@ def fit_head_local(moments, selection, geo, ridge, source_spec, target_spec):
     for layer, sources in enumerate(selection):
         weight = torch.zeros(len(sources) * geo.source_width, geo.target_width, dtype=torch.float64)
         bias = torch.zeros(geo.target_width, dtype=torch.float64)
-        local = torch.arange(len(sources) * geo.source_width)  # columns within the selection
         for head in range(target_spec.num_kv_heads):
             heads = source_heads_of(head, source_spec.num_kv_heads, target_spec.num_kv_heads)
             x_cols = head_columns(geo, sources, heads, source_spec.head_dim)
-            rows = head_columns(
-                Geometry(len(sources), geo.source_width, 0, 0, 0), list(range(len(sources))),
-                heads, source_spec.head_dim,
-            )  # fmt: skip
+            # the same heads' rows within this layer's weight (its selection's columns, in order)
+            rows = head_columns(geo, range(len(sources)), heads, source_spec.head_dim)
             out = slice(head * geo.target_head_dim, (head + 1) * geo.target_head_dim)
-            y_cols = geo.target_cols(layer)[out]
-            w, b = fit_affine(moments, x_cols, y_cols, ridge)
-            weight[local[rows], out] = w
+            w, b = fit_affine(moments, x_cols, geo.target_cols(layer)[out], ridge)
+            weight[rows, out] = w
             bias[out] = b
         maps.append(LayerMap(weight, bias))
     return maps
@@ -105,13 +100,8 @@ def heldout_scores(train, heldout, selection, geo, ridge, specs, head_local: boo
                 )
                 for layer, s in enumerate(selection)
             ]
-        r2 = []
-        for layer, layer_map in enumerate(maps):
-            x_cols, y_cols = geo.source_cols(selection[layer]), geo.target_cols(layer)
-            sse, sst = residuals(heldout[kind], x_cols, y_cols, layer_map.weight, layer_map.bias)
-            r2.append(r2_by_head(sse, sst, geo.target_head_dim).mean().item())
-            parameters += int((layer_map.weight != 0).sum()) + layer_map.bias.numel()
-        out[kind] = sum(r2) / len(r2)
+        out[kind] = maps_heldout_r2(heldout[kind], maps, selection, geo).mean().item()
+        parameters += sum(int((m.weight != 0).sum()) + m.bias.numel() for m in maps)
     return out, parameters
 
 
@@ -146,7 +136,7 @@ def main(tokens, ks, direction, evaluate_k):
                          "parameters": parameters})  # fmt: skip
             print(json.dumps(rows[-1]))
     if evaluate_k:
-        rows += _downstream(split, source, target, geo, ridge, specs, scores, evaluate_k, config)
+        rows += _downstream(split, source, target, geo, ridge, specs, evaluate_k, config)
     _write(rows, direction, tokens)
 
 
@@ -159,7 +149,7 @@ def _specs_only(path: str) -> SimpleNamespace:
     )
 
 
-def _downstream(split, source, target, geo, ridge, specs, scores, k, config):
+def _downstream(split, source, target, geo, ridge, specs, k, config):
     """Translated and +32-tail accuracy / NLL of the full-layer and head-local maps at k."""
     full, _ = fit_from_statistics(split, replace(config, top_k=k, rank=None))
     everything = {kind: split.train[kind].merged(split.heldout[kind]) for kind in KINDS}

@@ -130,16 +130,25 @@ def heldout_r2(
     ridge: float | Ridge,
 ) -> dict[str, torch.Tensor]:
     """Held-out R^2 per target layer (mean over heads) of maps fitted on ``train``: kind -> [Lt]."""
-    out = {}
-    for kind in KINDS:
-        maps = _fit_layers(train[kind], selection, geo, ridge)
-        r2 = []
-        for layer, layer_map in enumerate(maps):
-            x_cols, y_cols = geo.source_cols(selection[layer]), geo.target_cols(layer)
-            sse, sst = residuals(heldout[kind], x_cols, y_cols, layer_map.weight, layer_map.bias)
-            r2.append(r2_by_head(sse, sst, geo.target_head_dim).mean())
-        out[kind] = torch.stack(r2)
-    return out
+    return {
+        kind: maps_heldout_r2(
+            heldout[kind], _fit_layers(train[kind], selection, geo, ridge), selection, geo
+        )
+        for kind in KINDS
+    }
+
+
+def maps_heldout_r2(
+    heldout: Moments, maps: list[LayerMap], selection: list[list[int]], geo: Geometry
+) -> torch.Tensor:
+    """Held-out R^2 per target layer (mean over heads) of given maps, each reading its
+    selection's columns: [Lt]."""
+    r2 = []
+    for layer, layer_map in enumerate(maps):
+        x_cols, y_cols = geo.source_cols(selection[layer]), geo.target_cols(layer)
+        sse, sst = residuals(heldout, x_cols, y_cols, layer_map.weight, layer_map.bias)
+        r2.append(r2_by_head(sse, sst, geo.target_head_dim).mean())
+    return torch.stack(r2)
 
 
 def fit_maps(

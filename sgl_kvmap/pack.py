@@ -228,7 +228,7 @@ def _config(mapper, tensors_sha256: str) -> dict[str, Any]:
 def _format_version(mapper) -> int:
     """The oldest format that holds ``mapper``, so older readers keep reading what they can."""
     if mapper.residuals is not None:
-        return 3
+        return FORMAT_VERSION
     return 1 if mapper.projections is None else 2
 
 

@@ -102,8 +102,9 @@ def _tolerance(dtype) -> dict:
 def test_scattered_slots_get_the_reference_translation(
     tiny_pair, tiny_mapper, reduced_rank_mapper, residual_mapper, dtype, family, backend
 ):
-    mappers = {"k-layer": tiny_mapper, "reduced-rank": reduced_rank_mapper}
-    mapper = mappers.get(family, residual_mapper)
+    mappers = {"k-layer": tiny_mapper, "reduced-rank": reduced_rank_mapper,
+               "residual": residual_mapper}  # fmt: skip
+    mapper = mappers[family]
     assert_translated(mapper, *tiny_pair, backend, dtype)
 
 
