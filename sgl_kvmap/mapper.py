@@ -171,6 +171,31 @@ class KVMapper:
             info=copy.deepcopy(self.info),
         )  # fmt: skip
 
+    def for_target_heads(self, heads: list[int]) -> KVMapper:
+        """This mapper restricted to the target's KV ``heads`` (indices, in output order): what
+        one tensor-parallel rank of the target computes. A map's output columns are per head, so
+        the weights are sliced, not the result; the new mapper's target spec has
+        ``len(heads)`` KV heads (and so its own fingerprint)."""
+        if not heads or any(not 0 <= h < self.target.num_kv_heads for h in heads):
+            raise KVMapError(
+                f"heads {heads} are not KV heads of the target ({self.target.num_kv_heads})"
+            )
+        dim = self.target.head_dim
+        columns = torch.cat([torch.arange(h * dim, (h + 1) * dim) for h in heads])
+        maps = {
+            kind: [LayerMap(m.weight[:, columns], m.bias[columns]) for m in layers]
+            for kind, layers in self.maps.items()
+        }
+        residuals = (
+            None
+            if self.residuals is None
+            else {kind: r.output_columns(columns) for kind, r in self.residuals.items()}
+        )
+        target = replace(self.target, num_kv_heads=len(heads))
+        return replace(
+            self, target=target, maps=maps, residuals=residuals, info=copy.deepcopy(self.info)
+        )
+
     def content_products(
         self, kind: str, features: torch.Tensor
     ) -> list[tuple[list[int], torch.Tensor]]:

@@ -44,6 +44,10 @@ class Residual:
         """A residual whose every tensor is ``fn(tensor)``."""
         return Residual(fn(self.weight_in), fn(self.bias_in), [fn(w) for w in self.weights_out])
 
+    def output_columns(self, columns: torch.Tensor) -> Residual:
+        """This residual with only the output ``columns`` of every layer (a head subset)."""
+        return Residual(self.weight_in, self.bias_in, [w[:, columns] for w in self.weights_out])
+
     def validate(self, rank: int, target_layers: int, target_width: int) -> None:
         """Raise KVMapError unless the shapes fit a rank-``rank`` map into ``target_layers``
         layers of ``target_width``."""

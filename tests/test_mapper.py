@@ -270,3 +270,27 @@ def test_to_moves_every_weight_and_leaves_the_original(tiny_pair):
     back, before = mapper.to("cpu").map(cache), mapper.map(cache)
     for got, want in zip(back.keys + back.values, before.keys + before.values):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", ["k-layer", "reduced-rank + residual"])
+def test_a_head_subset_maps_exactly_those_heads_of_the_full_map(tiny_pair, family):
+    """``for_target_heads`` slices the weights per output head: mapping with it gives the full
+    map's output for those heads, in the order asked, with a target spec of that many heads."""
+    from .conftest import fit_tiny_mapper, with_random_residual
+
+    source, target = tiny_pair[0], tiny_model("qwen2", seed=3, layers=2, kv_heads=4, head_dim=8)
+    cache = capture_kv(source.model, torch.randint(0, 100, (20,)))
+    if family == "k-layer":
+        mapper = fit_tiny_mapper(source, target)
+    else:
+        mapper = with_random_residual(fit_tiny_mapper(source, target, rank=16), cache)
+    full = mapper.map(cache)
+    for heads in ([0], [2, 3], [3, 1]):
+        part = mapper.for_target_heads(heads)
+        assert part.target.num_kv_heads == len(heads)
+        assert part.target.fingerprint != mapper.target.fingerprint
+        mapped = part.map(cache)
+        for got, want in zip(mapped.keys + mapped.values, full.keys + full.values):
+            torch.testing.assert_close(got, want[:, heads], rtol=1e-5, atol=1e-5)
+    with pytest.raises(KVMapError, match="not KV heads"):
+        mapper.for_target_heads([4])
