@@ -36,3 +36,7 @@ def sha256_file(path: Path) -> str:
         while chunk := f.read(1 << 24):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()

@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, save_file
 
 from .errors import KVMapError, PackError, PairMismatchError
-from .files import replacing_folder, sha256_file
+from .files import replacing_folder, sha256_bytes, sha256_file
 from .fit import KINDS, LayerMap
 from .residual import Residual
 from .spec import ModelSpec
@@ -60,13 +60,16 @@ def load_pack(folder: Path):
     tensors_path = folder / TENSORS_FILE
     if not tensors_path.is_file():
         raise PackError(f"{folder}: {TENSORS_FILE} is missing; re-download or re-build the pack")
-    if sha256_file(tensors_path) != config["tensors_sha256"]:
+    # Read once, check those bytes and build the tensors from them: nothing stays mapped to
+    # the file, so it can change or vanish afterwards without touching the loaded mapper.
+    data = tensors_path.read_bytes()
+    if sha256_bytes(data) != config["tensors_sha256"]:
         raise PackError(
             f"{folder}: {TENSORS_FILE} does not match the checksum in {CONFIG_FILE} "
             "(damaged or edited); re-download or re-build the pack"
         )
     try:
-        tensors = load_file(tensors_path)
+        tensors = load(data)
         source, target = _spec(config, "source"), _spec(config, "target")
         selection = [list(map(int, s)) for s in config["selection"]]
         maps = {
