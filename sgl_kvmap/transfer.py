@@ -14,7 +14,7 @@ Repair (``Repair``): the same forward can also recompute chosen translated token
 the prompt tokens that the answer is likely to read. The source, whose cache is exact, drafts a
 few tokens greedily after the prompt; the translated tokens its drafted queries attend to most
 are the anchors. (The continuation's own attention picks the tokens that matter; the prompt's
-last queries pick worse: see the README's fidelity section.) Greedy decoding is serial, one
+last queries pick worse: see docs/LOG.md.) Greedy decoding is serial, one
 source forward per drafted token; a parallel draft (``Repair.sweeps``) guesses the draft by
 prompt lookup (``lookup_guess``: code and chat repeat their context) and refines the guess in a
 few parallel forwards (Jacobi iterations, whose fixed point is the greedy draft).
@@ -53,7 +53,7 @@ class Repair:
     """
 
     anchors: int
-    draft: int = 2  # at 240 anchors as good as a 32-token draft (README: repair)
+    draft: int = 2  # at 240 anchors as good as a 32-token draft (docs/LOG.md)
     sweeps: int = 0
 
     def __post_init__(self) -> None:

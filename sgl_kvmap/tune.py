@@ -44,9 +44,8 @@ from .transfer import handoff_split, mapped_prefix
 
 OBJECTIVES = ("nll", "kl")
 # the relative rate each map family takes when TuneConfig.lr is None: the rates that tuned the
-# real pair's maps smoothly (README: downstream tuning). A reduced-rank map's shared projection
-# moves every target layer at once, and 1e-4 threw it off (held-out NLL 1.085 -> 1.282 in 5
-# steps) where 2e-5 lowered it (1.065).
+# real pair's maps smoothly. A reduced-rank map's shared projection moves every target layer
+# at once, and 1e-4 threw it off where a lower rate tuned it (see docs/LOG.md).
 FAMILY_RATES = {"k-layer": 1e-4, "reduced-rank": 3e-5}
 
 
@@ -58,12 +57,12 @@ class TuneConfig:
     KL divergence of its next-token distribution there from the one it has on its own cache of
     the prompt (``"kl"``). Held-out windows always score the NLL on the true tokens.
     Adam with a relative learning rate: each tensor's step size is ``lr`` x its RMS before
-    tuning (a reduced-rank map's per-layer weights are ~10x smaller than a k-layer map's, and
-    its biases of K ~100x larger: one absolute rate cannot suit them all; absolute 1e-5 wrecked
-    a rank-1,024 map in 15 steps). ``lr=None``: the mapper family's rate (``FAMILY_RATES``).
+    tuning (a reduced-rank map's per-layer weights are much smaller than a k-layer map's, and
+    its biases of K much larger: one absolute rate cannot suit them all; see docs/LOG.md).
+    ``lr=None``: the mapper family's rate (``FAMILY_RATES``).
     The rate rises linearly over the first ``warmup`` steps (Adam's first steps move every
-    weight by about the full rate, whatever its gradient's size; at 1e-4 with no warmup five
-    steps took a rank-1,024 map of the real pair from held-out NLL 1.085 to 1.282).
+    weight by about the full rate, whatever its gradient's size; without warmup they threw a
+    reduced-rank map off: see docs/LOG.md).
     ``tail``: the hand-off recomputes the prompt's last ``tail`` tokens (``transfer.handoff``'s
     tail) in training and held-out scoring alike, so the map is tuned for that hand-off.
     Every ``eval_every`` steps (and at the end) the map is scored on ``heldout_windows``
@@ -163,9 +162,9 @@ def tune_mapper(
 ) -> tuple[KVMapper, TuneReport]:
     """A copy of ``mapper`` tuned on the target's next-token loss over translated caches, and
     the report. ``calibration``: text files/folders (default: ``texts.code_corpus_files``, the
-    standard library's sources and those of sgl-kvmap's dependencies: tuned on them, the real
-    pair's rank-1,024 map reached translated 0.738 / NLL 1.084 on the evaluation text, against
-    0.718 / 1.166 tuned on the stdlib alone). ``mapper`` itself is left as it was."""
+    standard library's sources and those of sgl-kvmap's dependencies, which tuned the real
+    pair's map better than the stdlib alone: see docs/LOG.md). ``mapper`` itself is left as it
+    was."""
     check_models(mapper, source.spec, target.spec)
     config = config.for_mapper(mapper)
     started = time.perf_counter()
