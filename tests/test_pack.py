@@ -157,11 +157,9 @@ import os, torch
 from sgl_kvmap.capture import KVCache
 from sgl_kvmap.mapper import KVMapper
 m = KVMapper.from_pretrained({str(saved)!r})
-g = torch.Generator().manual_seed(0)
-s = m.source
-cache = KVCache([torch.randn(9, s.num_kv_heads, s.head_dim, generator=g) for _ in range(s.num_layers)],
-                [torch.randn(9, s.num_kv_heads, s.head_dim, generator=g) for _ in range(s.num_layers)],
-                torch.arange(9))
+g, s = torch.Generator().manual_seed(0), m.source
+layers = [torch.randn(9, s.num_kv_heads, s.head_dim, generator=g) for _ in range(2 * s.num_layers)]
+cache = KVCache(layers[: s.num_layers], layers[s.num_layers :], torch.arange(9))
 before = m.map(cache)
 path = {str(saved / pack.TENSORS_FILE)!r}
 change = {change!r}
@@ -174,7 +172,8 @@ elif change == "overwritten":
 else:
     os.remove(path)
 after = m.map(cache)
-assert all(torch.equal(a, b) for a, b in zip(after.keys + after.values, before.keys + before.values))
+pairs = zip(after.keys + after.values, before.keys + before.values)
+assert all(torch.equal(a, b) for a, b in pairs)
 print("unchanged")
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
