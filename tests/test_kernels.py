@@ -51,10 +51,12 @@ def residual_mapper(tiny_pair, reduced_rank_mapper):
     return with_random_residual(reduced_rank_mapper, cache)
 
 
-def assert_translated(mapper, source, target, backend, src_dtype, dst_dtype=None, tokens=40):
+def assert_translated(
+    mapper, source, target, backend, src_dtype, dst_dtype=None, tokens=40, matmul_dtype=None
+):
     """Translate ``tokens`` of a real source cache between scattered slots of two pools on
-    DEVICE and compare every written slot with the reference map (cast as the op casts);
-    slots not written must stay untouched."""
+    DEVICE and compare every written slot with the reference map (cast as the op casts, its
+    products in ``matmul_dtype``); slots not written must stay untouched."""
     dst_dtype = dst_dtype or src_dtype
     mapper = mapper.to(DEVICE)
     cache = capture_kv(source.model, torch.randint(0, 100, (tokens,)))
@@ -70,11 +72,12 @@ def assert_translated(mapper, source, target, backend, src_dtype, dst_dtype=None
             [k.to(DEVICE, src_dtype) for k in cache.keys],
             [v.to(DEVICE, src_dtype) for v in cache.values],
             cache.positions.to(DEVICE),
-        )
+        ),
+        matmul_dtype,
     )
     translate_pages(
         mapper, src_pool, src_slots.to(DEVICE), dst_pool, dst_slots.to(DEVICE),
-        cache.positions.to(DEVICE), backend=backend,
+        cache.positions.to(DEVICE), backend=backend, matmul_dtype=matmul_dtype,
     )  # fmt: skip
     # The torch body is the reference: exact. In float32 the interpreter runs the reference's
     # operations one by one: exact too. A GPU may fuse multiply-adds, and the interpreter
@@ -106,6 +109,26 @@ def test_scattered_slots_get_the_reference_translation(
                "residual": residual_mapper}  # fmt: skip
     mapper = mappers[family]
     assert_translated(mapper, *tiny_pair, backend, dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bfloat16_pools_with_float32_products(tiny_pair, tiny_mapper, backend):
+    """What a CPU without native bfloat16 runs (``fast_matmul_dtype``): bfloat16 pools, the
+    products in float32, as the reference map does with float32 products."""
+    assert_translated(tiny_mapper, *tiny_pair, backend, torch.bfloat16, matmul_dtype=torch.float32)
+
+
+def test_the_fast_products_dtype_is_measured_on_a_cpu(monkeypatch):
+    """GPUs multiply bfloat16 fast; on a CPU the faster of the two measured products wins."""
+    from sgl_kvmap.kernels import matmul
+
+    assert matmul.fast_matmul_dtype("cuda") == torch.bfloat16
+    for bf16_seconds, want in ((2.0, torch.float32), (0.5, torch.bfloat16)):
+        seconds = {torch.bfloat16: bf16_seconds, torch.float32: 1.0}
+        monkeypatch.setattr(matmul, "_product_seconds", seconds.__getitem__)
+        matmul._fastest_on_cpu.cache_clear()
+        assert matmul.fast_matmul_dtype("cpu") == want
+    matmul._fastest_on_cpu.cache_clear()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

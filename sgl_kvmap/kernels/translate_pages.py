@@ -48,12 +48,14 @@ def translate_pages(
     positions: torch.Tensor,
     *,
     backend: str = "auto",
+    matmul_dtype: torch.dtype | None = None,
 ) -> None:
     """Write the translation of ``source`` slots into ``target`` slots, in place.
 
     source_slots, target_slots, positions: [tokens] int64. The source pool must have the
     mapper's source geometry and the target pool its target geometry (dtypes may differ;
-    RoPE is float32, the products run in the source pool's dtype if it is a 16-bit float,
+    RoPE is float32, the products run in ``matmul_dtype``, by default the source pool's dtype
+    if it is a 16-bit float (``matmul.fast_matmul_dtype`` says what a device computes fast),
     and results are cast to the target pool's dtype), on the mapper's device. ``backend``:
     "auto" (Triton for CUDA pools it can address, else torch) or one of them by name, for
     benchmarks and tests ("triton" on CPU tensors needs ``TRITON_INTERPRET=1``).
@@ -62,14 +64,16 @@ def translate_pages(
     if _backend(backend, source, target) == "triton":
         from . import triton_translate
 
-        triton_translate.translate(mapper, source, source_slots, target, target_slots, positions)
+        triton_translate.translate(
+            mapper, source, source_slots, target, target_slots, positions, matmul_dtype
+        )
         return
     cache = KVCache(
         [k[source_slots] for k in source.keys],
         [v[source_slots] for v in source.values],
         positions,
     )
-    mapped = mapper.map(cache)
+    mapped = mapper.map(cache, matmul_dtype)
     for pool, layers in ((target.keys, mapped.keys), (target.values, mapped.values)):
         for buffer, layer in zip(pool, layers):
             buffer[target_slots] = layer.to(buffer.dtype)

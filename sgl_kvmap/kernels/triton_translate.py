@@ -117,7 +117,9 @@ def supports(pool) -> bool:
     )
 
 
-def translate(mapper, source, source_slots, target, target_slots, positions) -> None:
+def translate(
+    mapper, source, source_slots, target, target_slots, positions, matmul_dtype=None
+) -> None:
     """``translate_pages`` on Triton (arguments as there, already checked, both pools
     ``supports``-ed)."""
     if not source.keys[0].is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
@@ -126,7 +128,7 @@ def translate(mapper, source, source_slots, target, target_slots, positions) -> 
     if tokens == 0:
         return
     pool_dtype = source.keys[0].dtype
-    matmul_dtype = default_matmul_dtype(pool_dtype)
+    matmul_dtype = matmul_dtype or default_matmul_dtype(pool_dtype)
     device = source.keys[0].device
     src_tables, tgt_tables = (
         [table.contiguous() for table in tables_for_spec(spec, positions.to(device))]
