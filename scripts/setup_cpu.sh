@@ -11,6 +11,6 @@ pip install -q --no-deps sglang==0.5.23
 pip install -q torch==2.14.1 orjson psutil pybase64 requests packaging starlette msgspec pydantic \
   pyzmq tqdm ipython aiohttp dill einops gguf partial-json-parser transformers==5.19.0 \
   tokenizers==0.23.2 apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 compressed-tensors==0.18.0 \
-  openai==2.8.0
+  openai==2.8.0 setproctitle uvicorn fastapi
 pip install -q torch==2.14.1 transformers==5.19.0 -e '.[dev,bench]'
-python -c "import sglang.srt.mem_cache.hicache_storage, sgl_kvmap; print('sgl-kvmap ready')"
+python -c "import sglang.srt.managers.scheduler, sgl_kvmap; print('sgl-kvmap ready')"

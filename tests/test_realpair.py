@@ -12,6 +12,7 @@ import torch
 
 from sgl_kvmap import CalibrationConfig, KVMapper, capture_kv, evaluate, load_model
 from sgl_kvmap.calibrate import calibration_token_windows, collect_statistics, fit_from_statistics
+from sgl_kvmap.capture import run
 from sgl_kvmap.default_pair import LARGE, SMALL, ensure_model
 from sgl_kvmap.evaluate import EvalRuns
 from sgl_kvmap.pack import check_models
@@ -129,42 +130,47 @@ def test_real_pack_round_trip(fitted, pair, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(loaded.map(cache).keys, mapper.map(cache).keys))
 
 
-def test_sglang_engines_hand_a_real_prefix_from_the_0_5b_to_the_1_5b(fitted, pair, tmp_path):
-    """Real SGLang 0.5.23 pools, trees and store: the 1.5B continues from pages the 0.5B
-    stored, translated by KVMapStorage, exactly as from the reference mapper's output."""
+def test_sglang_hands_a_real_prefix_from_the_0_5b_to_a_fresh_1_5b(fitted, pair, tmp_path):
+    """SGLang 0.5.23's own control flow (tests/sglang_server.py): the 1.5B engine, which never
+    saw the session, continues from the pages the 0.5B engine stored, translated by
+    KVMapStorage at their true positions, exactly as from the pack's own map."""
     import dataclasses
 
+    from sgl_kvmap.kernels import fast_matmul_dtype
     from sgl_kvmap.sglang import PeerSettings, StorageSettings
+    from sgl_kvmap.sglang.launch import sglang_extra_config
 
-    from .sglang_engines import PAGE, Engine
-    from .test_sglang import bf16, continuation_logits
+    from .sglang_server import PAGE, Engine
 
     small, large = pair
-    mapper = dataclasses.replace(fitted[0][0], sink_tokens=4)
-    pack = mapper.save_pretrained(tmp_path / "pack")
+    pack = dataclasses.replace(fitted[0][0], sink_tokens=4).save_pretrained(tmp_path / "pack")
+    mapper = KVMapper.from_pretrained(pack)
     names = str(ensure_model(SMALL)), str(ensure_model(LARGE))
+    store = str(tmp_path / "store")
     peer = PeerSettings(model_name=names[0], pack=str(pack))
-    store = {"file_storage_path": str(tmp_path / "store")}
-    off = StorageSettings().to_extra_config(**store)
-    on = StorageSettings(translate=True, interface_v1=True, peers=(peer,)).to_extra_config(**store)
-    window = eval_windows(large.tokenizer, default_eval_files(), 32 * PAGE + 24, 1)[0].tolist()
-    prompt = window[: 32 * PAGE]
-    source = Engine.build(small, names[0], off)
-    assert all(source.back_up(prompt, source.prefill(prompt)))
-    target = Engine.build(large, names[1], on)
-    assert all(target.back_up(prompt[:PAGE], target.prefill(prompt[:PAGE])))
-    target.tree.reset()
-    assert target.fetch(window) == len(prompt)
-    assert target.storage.counters["translated_pages"] == 31
-    source_kv = bf16(capture_kv(small.model, torch.tensor(prompt)))
-    own = capture_kv(large.model, torch.tensor(prompt[:PAGE]))
-    reference = bf16(mapper.map(source_kv).replace_front(own.slice(0, PAGE)))
-    cached = target.cached(window)
-    assert all(torch.equal(a, b) for a, b in zip(cached.keys, reference.keys))
-    torch.testing.assert_close(
-        continuation_logits(target, window, cached),
-        continuation_logits(target, window, reference),
+    off = sglang_extra_config(StorageSettings(interface_v1=True), store)
+    on = sglang_extra_config(
+        StorageSettings(translate=True, interface_v1=True, peers=(peer,)), store
     )
+    window = eval_windows(large.tokenizer, default_eval_files(), 32 * PAGE + 24, 1)[0].tolist()
+    engines = [Engine(small, names[0], off), Engine(large, names[1], on)]
+    try:
+        sent = engines[0].serve(window[: 32 * PAGE + 5])
+        served = engines[1].serve(window)
+        assert served.reused == 32 * PAGE
+        assert engines[1].storage.counters["translated_pages"] == 32
+        source_kv = engines[0].pool_kv(sent.slots[: 32 * PAGE])
+        want = mapper.map(source_kv, fast_matmul_dtype("cpu"))
+        got = engines[1].pool_kv(served.slots[: 32 * PAGE])
+        assert all(
+            torch.equal(a, b) for a, b in zip(got.keys + got.values, want.keys + want.values)
+        )
+        rest = torch.tensor(window[32 * PAGE :])
+        logits = run(large.model, rest, past=want, logits_to_keep=rest.numel()).logits
+        torch.testing.assert_close(served.logits, logits)
+    finally:
+        for engine in engines:
+            engine.close()
 
 
 # Measured with BUDGET on 2026-11-30 (0.5B->1.5B, 1.5B->0.5B), held-out windows from held-out

@@ -1,5 +1,11 @@
-"""The SGLang extension with real SGLang 0.5.23 objects: a source engine stores a prompt's pages,
-the target engine fetches them translated through KVMapStorage, and continues from its pool."""
+"""The SGLang extension along the route a live SGLang 0.5.23 server takes (tests/sglang_server.py):
+engines of two models share a file store through KVMapStorage; sessions move between them.
+
+Every scenario checks that the KV in the receiving engine's device pool equals the reference
+translation (the pack's ``KVMapper.map`` of what the sending engine stored) at the tokens' TRUE
+positions, and that the receiving model's logits over its pool match the logits over that
+reference. Substitutions are listed in tests/sglang_server.py.
+"""
 
 from __future__ import annotations
 
@@ -9,148 +15,220 @@ import os
 import pytest
 import torch
 
-from sgl_kvmap.capture import KVCache, capture_kv, load_model, run
+from sgl_kvmap.capture import KVCache, load_model, run
+from sgl_kvmap.kernels import fast_matmul_dtype
+from sgl_kvmap.mapper import KVMapper
 from sgl_kvmap.sglang import PeerSettings, StorageSettings
+from sgl_kvmap.sglang.launch import sglang_extra_config
 
 from .conftest import fit_tiny_mapper, save_loaded
-from .sglang_engines import PAGE, Engine, info, page_keys
+from .sglang_server import PAGE, Engine, page_keys
 
-PROMPT_PAGES = 5
+torch.manual_seed(0)
 
 
 @pytest.fixture(scope="module")
 def deployment(tiny_pair, tmp_path_factory):
-    """Two model folders (the served model names), loaded back as the engines run them, and
-    the source -> target pack (4 sink tokens)."""
+    """Two model folders (their served names, as loaded back by the engines) and a pack each
+    way: "a" (3 layers x 2 KV heads x 16) and "b" (4 layers x 1 KV head x 32)."""
     root = tmp_path_factory.mktemp("deployment")
-    folders = [save_loaded(m, root / "models" / n) for m, n in zip(tiny_pair, ("source", "target"))]
-    source, target = (load_model(folder) for folder in folders)
-    mapper = dataclasses.replace(fit_tiny_mapper(source, target), sink_tokens=4)
-    mapper.save_pretrained(root / "packs" / "source_to_target")
-    return {"root": root, "source": folders[0], "target": folders[1], "mapper": mapper,
-            "models": (source, target)}  # fmt: skip
-
-
-def settings(deployment, store, translate=True, pack=None, **more) -> dict:
-    peer = PeerSettings(
-        model_name=deployment["source"],
-        pack=str(pack or deployment["root"] / "packs" / "source_to_target"),
-    )
-    more = {key: str(value) if key == "model_path" else value for key, value in more.items()}
-    more.setdefault("interface_v1", True)
-    ours = StorageSettings(translate=translate, peers=(peer,), **more)
-    return ours.to_extra_config(file_storage_path=str(store))
+    names = [save_loaded(m, root / n) for m, n in zip(tiny_pair, ("a", "b"))]
+    models = [load_model(name) for name in names]
+    packs = {}
+    for s, t in ((0, 1), (1, 0)):
+        mapper = dataclasses.replace(fit_tiny_mapper(models[s], models[t]), sink_tokens=4)
+        packs[s, t] = str(mapper.save_pretrained(root / f"pack_{s}{t}"))
+    return {"names": names, "models": models, "packs": packs}
 
 
 @pytest.fixture
-def engines(deployment, tmp_path):
-    """(source engine, prompt) with the prompt's pages stored, and a factory of target engines
-    sharing the store; each target engine has computed the prompt's first page itself."""
-    torch.manual_seed(0)
-    prompt = torch.randint(3, 100, (PROMPT_PAGES * PAGE + 6,)).tolist()
-    store = tmp_path / "store"
-    models = deployment["models"]
-    source = Engine.build(models[0], deployment["source"], settings(deployment, store, False))
-    stored = prompt[: PROMPT_PAGES * PAGE]  # the source's cached pages; the request goes on
-    assert all(source.back_up(stored, source.prefill(stored)))
+def cluster(deployment, tmp_path):
+    """Engines of "a" and "b" over one fresh store; ``cluster.engine(i, **settings)`` starts
+    engine i (translating from the other when ``translate``); all are closed afterwards."""
+    return Cluster(deployment, tmp_path / "store")
 
-    def target(native_first_page=True, **extra):
-        extra = settings(deployment, store, **extra)
-        engine = Engine.build(models[1], deployment["target"], extra)
-        if native_first_page:
-            first = prompt[:PAGE]
-            assert all(engine.back_up(first, engine.prefill(first)))
-            engine.tree.reset()  # the page is in storage only, like a request long evicted
+
+class Cluster:
+    def __init__(self, deployment, store):
+        self.deployment, self.store, self.engines = deployment, store, []
+
+    def extra(self, i: int, translate: bool = True, pack=None, **settings) -> dict:
+        names, other = self.deployment["names"], 1 - i
+        peer = PeerSettings(names[other], str(pack or self.deployment["packs"][other, i]))
+        settings.setdefault("interface_v1", True)
+        ours = StorageSettings(translate=translate, peers=(peer,), **settings)
+        return sglang_extra_config(ours, str(self.store))
+
+    def engine(self, i: int, model=None, **settings) -> Engine:
+        model = model or self.deployment["models"][i]
+        engine = Engine(model, self.deployment["names"][i], self.extra(i, **settings))
+        self.engines.append(engine)
         return engine
 
-    return source, prompt, store, target
+    def mapper(self, source: int, target: int) -> KVMapper:
+        return KVMapper.from_pretrained(self.deployment["packs"][source, target])
+
+    def files(self, i: int) -> list[str]:
+        """Page files the store holds for engine i's model (records excluded)."""
+        name = self.deployment["names"][i].replace("/", "-")
+        return [f for f in os.listdir(self.store) if f.endswith(f"{name}_0_1.bin")]
 
 
-def continuation_logits(engine: Engine, prompt: list[int], cache: KVCache) -> torch.Tensor:
-    """The target model's logits for the rest of ``prompt`` after ``cache``."""
-    rest = torch.tensor(prompt[len(cache) :])
-    past = cache if len(cache) else None
-    return run(engine.model.model, rest, past=past, logits_to_keep=rest.numel()).logits
+@pytest.fixture(autouse=True)
+def _close_engines(request):
+    yield
+    cluster = request.node.funcargs.get("cluster")
+    for engine in cluster.engines if cluster else ():
+        engine.close()
 
 
-def test_translated_prefix_is_cached_and_continues_like_the_reference_mapper(engines, deployment):
-    source, prompt, _, make_target = engines
-    target = make_target()
-    fetched = target.fetch(prompt)
-    assert fetched == PROMPT_PAGES * PAGE  # page 0 native, pages 1-4 translated
-    assert target.storage.counters["translated_pages"] == PROMPT_PAGES - 1
-    cached = target.cached(prompt)
-    assert len(cached) == fetched  # match_prefix reports the whole translated prefix as cached
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 100, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
-    # reference: the target's own first page + the mapper's output for the rest, in pool dtype
-    tokens = torch.tensor(prompt[:fetched])
-    own = capture_kv(target.model.model, tokens[:PAGE])
-    source_kv = capture_kv(deployment["models"][0].model, tokens)
-    mapped = deployment["mapper"].map(bf16(source_kv))
-    reference = bf16(mapped.replace_front(own.slice(0, PAGE)))
-    for got, want in zip(cached.keys + cached.values, reference.keys + reference.values):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-    torch.testing.assert_close(
-        continuation_logits(target, prompt, cached),
-        continuation_logits(target, prompt, reference),
+
+def assert_translation_at_true_positions(target, served, source_kv, mapper, start, end):
+    """Tokens [start, end) of ``served`` hold ``mapper``'s translation of ``source_kv`` (the
+    sender's stored KV of those tokens) rotated at positions start..end-1, exactly as the
+    translation runs (bfloat16 pools, the products in the CPU's fast dtype); and the model's
+    logits over the pool equal those over that reference."""
+    assert start % PAGE == 0 and end % PAGE == 0 and end > start
+    sent = KVCache(
+        [k[start:end] for k in source_kv.keys],
+        [v[start:end] for v in source_kv.values],
+        torch.arange(start, end),
     )
+    want = mapper.map(sent, fast_matmul_dtype("cpu"))
+    got = target.pool_kv(served.slots[start:end])
+    for g, w in zip(got.keys + got.values, want.keys + want.values):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    shifted = mapper.map(dataclasses.replace(sent, positions=sent.positions + PAGE))
+    assert not torch.equal(shifted.keys[0], want.keys[0])  # so the position is what was checked
 
 
-def test_native_pages_always_win(engines):
-    _, prompt, _, make_target = engines
-    target = make_target()
-    stored = prompt[: PROMPT_PAGES * PAGE]
-    assert all(target.back_up(stored, target.prefill(stored)))
-    target.tree.reset()
-    assert target.fetch(prompt) == PROMPT_PAGES * PAGE
-    assert target.storage.counters["translated_pages"] == 0
-    exact = capture_kv(target.model.model, torch.tensor(prompt[: PROMPT_PAGES * PAGE]))
-    torch.testing.assert_close(target.cached(prompt).keys[2], exact.keys[2].bfloat16())
+def assert_logits_over_pool(target, served, prompt):
+    """The model's logits for the computed tokens equal a plain forward over the pool's prefix:
+    the engine read the prefix from the slots that hold it."""
+    prefix = target.pool_kv(served.slots[: served.reused])
+    rest = torch.tensor(prompt[served.reused :])
+    want = run(target.model.model, rest, past=prefix, logits_to_keep=rest.numel()).logits
+    torch.testing.assert_close(served.logits, want)
 
 
-def test_translated_pages_and_their_descendants_are_never_stored_as_native(engines, deployment):
-    _, prompt, store, make_target = engines
-    target = make_target()
-    target.fetch(prompt)
-    longer = prompt[: PROMPT_PAGES * PAGE] + torch.randint(3, 100, (2 * PAGE,)).tolist()
-    slots = target.extend(longer)  # the target continues natively after the translated prefix
-    results = target.back_up(longer, slots)  # HiCache's write-through of every page
-    assert all(results)  # withheld pages report success, so HiCache does not retry them
-    assert target.storage.counters["pages_withheld"] == len(page_keys(longer)) - 1
-    target_files = [p for p in os.listdir(store) if deployment["target"].replace("/", "-") in p]
-    assert len(target_files) == 1  # only the native first page
-    # an engine of the target model that does not translate finds exact pages only
-    exact_only = make_target(native_first_page=False, translate=False)
-    assert exact_only.fetch(longer) == PAGE
+def test_a_fresh_target_translates_the_whole_prefix(cluster):
+    """(a) The receiving engine never saw the session: every full page the sender stored is
+    translated, the first page (attention sinks) included, the partial page is computed."""
+    prompt = tokens(5 * PAGE + 3, seed=1)
+    a, b = cluster.engine(0, translate=False), cluster.engine(1)
+    sent = a.serve(prompt)
+    served = b.serve(prompt)
+    assert served.reused == 5 * PAGE
+    assert b.storage.counters["translated_pages"] == 5
+    source_kv = a.pool_kv(sent.slots)
+    assert_translation_at_true_positions(b, served, source_kv, cluster.mapper(0, 1), 0, 5 * PAGE)
+    assert_logits_over_pool(b, served, prompt)
 
 
-def test_exact_pages_only_unless_translation_is_enabled(engines):
-    _, prompt, _, make_target = engines
-    target = make_target(translate=False)
-    assert target.fetch(prompt) == PAGE
-    assert not any(key.startswith("fallback") for key in target.storage.counters)
-    exact = capture_kv(target.model.model, torch.tensor(prompt))
-    cached = target.cached(prompt)
-    torch.testing.assert_close(  # the request completes exactly as without sgl-kvmap
-        continuation_logits(target, prompt, cached),
-        exact_logits(target, prompt, len(cached)),
+def test_pages_after_a_cached_first_page_land_at_their_true_positions(cluster):
+    """(b) The receiving engine's tree already holds page 0 (a shared opening it served): SGLang
+    asks storage for pages 1.. with prefix keys that omit the matched node's own pages, and the
+    translation must still rotate page p at p * PAGE."""
+    prompt = tokens(4 * PAGE + 5, seed=2)
+    a, b = cluster.engine(0, translate=False), cluster.engine(1)
+    b.serve(prompt[: PAGE + 2])  # the shared opening, natively
+    sent = a.serve(prompt)
+    served = b.serve(prompt)
+    assert served.reused == 4 * PAGE
+    assert b.storage.counters["translated_pages"] == 3
+    source_kv = a.pool_kv(sent.slots)
+    mapper = cluster.mapper(0, 1)
+    assert_translation_at_true_positions(b, served, source_kv, mapper, PAGE, 4 * PAGE)
+    assert_logits_over_pool(b, served, prompt)
+
+
+def test_a_target_that_served_the_first_turns_translates_only_the_rest(cluster):
+    """(c) Turn 1 on the target, turn 2 on the source (which recomputes: no pack into it), turn
+    3 back on the target: its tree holds the first pages, the source's store the rest."""
+    turn1 = tokens(3 * PAGE + 4, seed=3)
+    turn2 = turn1 + tokens(3 * PAGE, seed=4)
+    turn3 = turn2 + tokens(PAGE + 1, seed=5)
+    a, b = cluster.engine(0, translate=False), cluster.engine(1)
+    b.serve(turn1)
+    sent = a.serve(turn2)
+    served = b.serve(turn3)
+    assert served.reused == 6 * PAGE
+    assert b.storage.counters["translated_pages"] == 3
+    source_kv = a.pool_kv(sent.slots)
+    mapper = cluster.mapper(0, 1)
+    assert_translation_at_true_positions(b, served, source_kv, mapper, 3 * PAGE, 6 * PAGE)
+    assert_logits_over_pool(b, served, turn3)
+
+
+def test_alternating_turns_translate_only_what_each_engine_lacks(cluster):
+    """(d) A -> B -> A -> B with packs both ways: each swap translates only the pages the
+    receiving engine lacks; nothing translated, nor anything computed after it, is stored as
+    a model's own page, so nothing is translated twice or from a translation."""
+    t1 = tokens(2 * PAGE + 3, seed=6)
+    t2 = t1 + tokens(2 * PAGE, seed=7)
+    t3 = t2 + tokens(2 * PAGE, seed=8)
+    t4 = t3 + tokens(PAGE + 2, seed=9)
+    a, b = cluster.engine(0), cluster.engine(1)
+    sent1 = a.serve(t1)  # pages 0-1 stored for "a"
+    got2 = b.serve(t2)  # translates pages 0-1; its own pages 2-3 descend from them: withheld
+    assert got2.reused == 2 * PAGE and b.storage.counters["translated_pages"] == 2
+    assert cluster.files(1) == []
+    sent3 = a.serve(t3)  # a's tree holds pages 0-1; b stored nothing to translate back
+    assert sent3.reused == 2 * PAGE and a.storage.counters["translated_pages"] == 0
+    assert len(cluster.files(0)) == 6  # all of a's own pages, computed by a
+    got4 = b.serve(t4)  # b's tree holds pages 0-3 (t2); pages 4-5 come from a, translated
+    assert got4.reused == 6 * PAGE and b.storage.counters["translated_pages"] == 4
+    assert cluster.files(1) == []
+    mapper = cluster.mapper(0, 1)
+    assert_translation_at_true_positions(b, got2, a.pool_kv(sent1.slots), mapper, 0, 2 * PAGE)
+    assert_translation_at_true_positions(
+        b, got4, a.pool_kv(sent3.slots), mapper, 4 * PAGE, 6 * PAGE
     )
-    del exact
+    assert_logits_over_pool(b, got4, t4)
 
 
-def exact_logits(engine: Engine, prompt: list[int], prefix: int) -> torch.Tensor:
-    """Logits of prompt[prefix:] after the target's own (bf16-pooled) KV of prompt[:prefix]."""
-    if prefix == 0:
-        return continuation_logits(engine, prompt, KVCache([], [], torch.arange(0)))
-    own = capture_kv(engine.model.model, torch.tensor(prompt[:prefix]))
-    return continuation_logits(engine, prompt, bf16(own))
-
-
-def bf16(cache: KVCache) -> KVCache:
-    """A cache as SGLang's bf16 pools hold it."""
-    return KVCache(
-        [k.bfloat16() for k in cache.keys], [v.bfloat16() for v in cache.values], cache.positions
+def test_sessions_sharing_a_system_prompt_translate_it_once(cluster):
+    """(e) Two sessions open with the same two pages: the second swap finds them in the target's
+    tree (translated for the first session) and translates only its own pages."""
+    system = tokens(2 * PAGE, seed=10)
+    one, two = system + tokens(2 * PAGE + 1, seed=11), system + tokens(3 * PAGE + 1, seed=12)
+    a, b = cluster.engine(0, translate=False), cluster.engine(1)
+    a.serve(one)
+    b.serve(one)
+    assert b.storage.counters["translated_pages"] == 4
+    sent = a.serve(two)
+    served = b.serve(two)
+    assert served.reused == 5 * PAGE
+    assert b.storage.counters["translated_pages"] == 4 + 3
+    mapper = cluster.mapper(0, 1)
+    assert_translation_at_true_positions(
+        b, served, a.pool_kv(sent.slots), mapper, 2 * PAGE, 5 * PAGE
     )
+    assert_logits_over_pool(b, served, two)
+
+
+def test_a_prefix_ending_mid_page_translates_its_full_pages(cluster):
+    """(f) The sender stored a prefix that ends mid-page: its full pages are translated, the
+    partial page and the rest are computed by the receiver."""
+    first = tokens(3 * PAGE + 5, seed=13)
+    prompt = first + tokens(2 * PAGE, seed=14)
+    a, b = cluster.engine(0, translate=False), cluster.engine(1)
+    sent = a.serve(first)
+    served = b.serve(prompt)
+    assert served.reused == 3 * PAGE
+    assert_translation_at_true_positions(
+        b, served, a.pool_kv(sent.slots), cluster.mapper(0, 1), 0, 3 * PAGE
+    )
+    assert_logits_over_pool(b, served, prompt)
+
+
+def exact_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
+    """The model's logits over the whole prompt computed from scratch."""
+    ids = torch.tensor(prompt)
+    return run(engine.model.model, ids, logits_to_keep=ids.numel()).logits
 
 
 @pytest.mark.parametrize(
@@ -161,82 +239,207 @@ def bf16(cache: KVCache) -> KVCache:
         ("pack of another pair", "model_mismatch"),
         ("tokenizer differs", "tokenizer_mismatch"),
         ("host pool of another geometry", "geometry_mismatch"),
-        ("no native first page", "no_native_sink_page"),
+        ("sinks: native, no first page of its own", "no_native_sink_page"),
         ("interface_v1 off", "interface_v1_off"),
         ("this engine's model unreadable", "model_unverifiable"),
     ],
 )
 def test_fallbacks_prefill_natively_and_count_the_reason(
-    engines, deployment, tmp_path, case, reason
+    cluster, deployment, tmp_path, case, reason
 ):
-    _, prompt, store, make_target = engines
-    extra, native_first_page = {}, True
+    """Any doubt: nothing is translated, the reason is counted, and the request is computed
+    exactly as without sgl-kvmap."""
+    prompt = tokens(4 * PAGE + 3, seed=20)
+    cluster.engine(0, translate=False).serve(prompt)
+    settings, model = {}, None
     if case == "missing pack":
-        extra["pack"] = tmp_path / "nowhere"
+        settings["pack"] = tmp_path / "nowhere"
     elif case == "damaged pack":
-        extra["pack"] = damaged_copy(deployment["root"] / "packs" / "source_to_target", tmp_path)
+        settings["pack"] = damaged_copy(deployment["packs"][0, 1], tmp_path)
     elif case == "pack of another pair":
-        extra["pack"] = reverse_pack(deployment, tmp_path)
+        settings["pack"] = deployment["packs"][1, 0]
     elif case == "tokenizer differs":
-        extra["model_path"] = other_tokenizer_copy(deployment["target"], tmp_path)
-    elif case == "no native first page":
-        native_first_page = False
+        settings["model_path"] = other_tokenizer_copy(deployment["names"][1], tmp_path)
+    elif case == "host pool of another geometry":  # b's name, a's pool shape and model
+        model = deployment["models"][0]
+    elif case.startswith("sinks"):
+        settings["sinks"] = "native"
     elif case == "interface_v1 off":
-        extra["interface_v1"] = False
+        settings["interface_v1"] = False
     elif case == "this engine's model unreadable":
-        extra["model_path"] = tmp_path / "no-such-model"
-    if case == "host pool of another geometry":  # the target's name, the source's pool shape
-        target = Engine.build(
-            deployment["models"][0], deployment["target"], settings(deployment, store)
-        )
-    else:
-        target = make_target(native_first_page=native_first_page, **extra)
-    fetched = target.fetch(prompt)
-    assert fetched == (PAGE if native_first_page and case != "host pool of another geometry" else 0)
-    assert target.storage.counters[f"fallback.{reason}"] >= 1
-    assert target.storage.counters["translated_pages"] == 0
-    cached = target.cached(prompt)
-    torch.testing.assert_close(
-        continuation_logits(target, prompt, cached), exact_logits(target, prompt, len(cached))
+        settings["model_path"] = str(tmp_path / "no-such-model")
+    b = cluster.engine(1, model=model, **settings)
+    served = b.serve(prompt)
+    assert served.reused == 0
+    assert b.storage.counters[f"fallback.{reason}"] >= 1
+    assert b.storage.counters["translated_pages"] == 0
+    torch.testing.assert_close(served.logits, exact_logits(b, prompt))
+
+
+def test_native_sinks_translate_after_a_first_page_of_its_own(cluster):
+    """``"sinks": "native"``: the first page must be the engine's own; after it, translation."""
+    prompt = tokens(4 * PAGE + 3, seed=21)
+    a, b = cluster.engine(0, translate=False), cluster.engine(1, sinks="native")
+    b.serve(prompt[: PAGE + 1])
+    sent = a.serve(prompt)
+    served = b.serve(prompt)
+    assert served.reused == 4 * PAGE and b.storage.counters["translated_pages"] == 3
+    assert_translation_at_true_positions(
+        b, served, a.pool_kv(sent.slots), cluster.mapper(0, 1), PAGE, 4 * PAGE
     )
 
 
-def test_translating_sinks_is_the_operators_choice(engines):
-    _, prompt, _, make_target = engines
-    target = make_target(native_first_page=False, translate_sinks=True)
-    assert target.fetch(prompt) == PROMPT_PAGES * PAGE
-    assert target.storage.counters["translated_pages"] == PROMPT_PAGES
+def test_native_pages_always_win(cluster):
+    """A page stored by this model is loaded as it is, never a translation of a peer's."""
+    prompt = tokens(4 * PAGE + 3, seed=22)
+    a = cluster.engine(0, translate=False)
+    a.serve(prompt)
+    first = cluster.engine(1)
+    first.serve(prompt[: 2 * PAGE + 1])  # translated from a: pages 0-1 withheld ...
+    cluster.engine(1, translate=False).serve(prompt[: 2 * PAGE + 1])  # ... an exact engine's
+    served = (late := cluster.engine(1)).serve(prompt)
+    assert late.storage.counters["native_pages"] == 2
+    assert late.storage.counters["translated_pages"] == 2
+    exact = run(late.model.model, torch.tensor(prompt[: 2 * PAGE])).cache
+    got = late.pool_kv(served.slots[: 2 * PAGE])
+    torch.testing.assert_close(got.keys[1], exact.keys[1].bfloat16(), rtol=0, atol=0)
 
 
-def test_unknown_positions_refuse_translation(engines):
-    _, prompt, _, make_target = engines
-    target = make_target()
-    keys = page_keys(prompt)
-    host = target.host.alloc(len(keys) * PAGE)
-    ok = target.storage.batch_get_v1(keys, host, info(None))  # SGLang passed no prefix keys
-    assert ok == [True] + [False] * (len(keys) - 1)
-    assert target.storage.counters["fallback.positions_unknown"] == 1
+def test_translated_pages_are_never_stored_however_many_were_translated(cluster):
+    """Provenance is not a bounded memory: after many other sessions were translated, the
+    first one's pages and what follows them are still withheld, and an engine that serves
+    exact pages only finds none of them."""
+    a, b = cluster.engine(0, translate=False), cluster.engine(1)
+    sessions = [tokens(2 * PAGE + 1, seed=100 + i) for i in range(12)]
+    for session in sessions:
+        a.serve(session)
+        b.serve(session)
+    assert b.storage.counters["translated_pages"] == 24
+    longer = sessions[0] + tokens(3 * PAGE, seed=99)
+    b.serve(longer)
+    assert cluster.files(1) == []
+    assert b.storage.counters["pages_withheld"] >= 3
+    exact_only = cluster.engine(1, translate=False)
+    assert exact_only.serve(longer).reused == 0
 
 
-@pytest.mark.parametrize("damage", ["deleted", "truncated"])
-def test_a_peer_page_lost_mid_prefetch_ends_the_translated_run(engines, damage):
-    _, prompt, store, make_target = engines
-    target = make_target()
-    keys = page_keys(prompt)
-    assert target.storage.batch_exists(keys, info(None)) == PROMPT_PAGES
-    victim = next(p for p in store.iterdir() if p.name.startswith(keys[3]) and "source" in p.name)
-    if damage == "deleted":
-        victim.unlink()
+def test_a_peer_storing_float16_is_read_as_float16(cluster):
+    """The peer's dtype is read from each page's record, not assumed."""
+    prompt = tokens(3 * PAGE + 1, seed=23)
+    a = Engine(
+        cluster.deployment["models"][0], cluster.deployment["names"][0],
+        cluster.extra(0, translate=False), dtype=torch.float16,
+    )  # fmt: skip
+    cluster.engines.append(a)
+    b = cluster.engine(1)
+    sent = a.serve(prompt)
+    served = b.serve(prompt)
+    assert served.reused == 3 * PAGE
+    source_kv = a.pool_kv(sent.slots[: 3 * PAGE])
+    assert source_kv.keys[0].dtype == torch.float16
+    mapper = cluster.mapper(0, 1)
+    want = mapper.map(source_kv, fast_matmul_dtype("cpu"))
+    got = b.pool_kv(served.slots[: 3 * PAGE])
+    for g, w in zip(got.keys + got.values, want.keys + want.values):
+        torch.testing.assert_close(g, w.bfloat16(), rtol=0, atol=0)
+    misread = mapper.map(_reinterpreted(source_kv), fast_matmul_dtype("cpu"))
+    assert not torch.equal(got.keys[0], misread.keys[0].bfloat16())
+
+
+def _reinterpreted(cache: KVCache) -> KVCache:
+    """float16 values' bytes read as bfloat16 (what an unrecorded dtype would give)."""
+    return KVCache(
+        [k.view(torch.bfloat16) for k in cache.keys],
+        [v.view(torch.bfloat16) for v in cache.values],
+        cache.positions,
+    )
+
+
+@pytest.mark.parametrize("damage", ["random bytes", "NaN with a matching record"])
+def test_a_damaged_peer_page_ends_the_translated_run(cluster, damage):
+    """A peer page that does not match its record, or holds non-finite values, is never
+    translated: the run stops before it and the rest is computed."""
+    from sgl_kvmap.sglang.records import PageRecord, page_crc32
+
+    prompt = tokens(4 * PAGE + 3, seed=24)
+    a, b = cluster.engine(0, translate=False), cluster.engine(1)
+    a.serve(prompt)
+    key = page_keys(prompt)[2]
+    name = cluster.deployment["names"][0].replace("/", "-")
+    page_file = cluster.store / f"{key}_{name}_0_1.bin"
+    size = page_file.stat().st_size
+    if damage == "random bytes":
+        page_file.write_bytes(os.urandom(size))
+        reason = "peer_page_damaged"
     else:
-        victim.write_bytes(victim.read_bytes()[:100])
-    host = target.host.alloc(len(keys) * PAGE)
-    ok = target.storage.batch_get_v1(keys, host, info([]))
-    if damage == "deleted":
-        assert ok == [True, True, True, False, False]  # pages 1-2 translated, then prefill
-        assert target.storage.counters["translated_pages"] == 2
-    else:
-        assert ok == [True, False, False, False, False]  # the read error voids the whole run
-        assert target.storage.counters["fallback.translation_error"] == 1
+        nan = torch.full((size // 2,), float("nan"), dtype=torch.bfloat16)
+        page_file.write_bytes(nan.view(torch.uint8).numpy().tobytes())
+        record_file = cluster.store / f"{key}_{name}.kvmap-records_0_1.bin"
+        record = PageRecord.from_tensor(torch.frombuffer(bytearray(record_file.read_bytes()),
+                                                         dtype=torch.uint8))  # fmt: skip
+        fixed = dataclasses.replace(record, crc32=page_crc32(nan))
+        record_file.write_bytes(fixed.to_tensor().numpy().tobytes())
+        reason = "peer_page_not_finite"
+    served = b.serve(prompt)
+    assert served.reused == 2 * PAGE
+    assert b.storage.counters[f"fallback.{reason}"] >= 1
+    assert b.pool_kv(served.slots).keys[0].isfinite().all()
+
+
+def test_a_failing_peer_store_hides_only_the_peer(cluster):
+    """A peer store that raises costs the translation, never this engine's own stored pages."""
+    prompt = tokens(4 * PAGE + 3, seed=25)
+    cluster.engine(0, translate=False).serve(prompt)
+    cluster.engine(1, translate=False).serve(prompt[: 2 * PAGE + 1])  # b's own pages 0-1
+    b = cluster.engine(1)
+
+    def broken(*args, **kwargs):
+        raise OSError("peer store unreachable")
+
+    for store in b.storage.peers[0].records.values():
+        store.exists = broken
+    served = b.serve(prompt)
+    assert served.reused == 2 * PAGE
+    assert b.storage.counters["native_pages"] == 2
+    assert b.storage.counters["fallback.peer_store_error"] >= 1
+    assert_logits_over_pool(b, served, prompt)
+
+
+def test_a_pack_changed_on_disk_while_serving_changes_nothing(cluster, deployment, tmp_path):
+    """The engine translates with the copy of the pack it verified at start-up."""
+    import shutil
+
+    pack = tmp_path / "pack"
+    shutil.copytree(deployment["packs"][0, 1], pack)
+    prompt = tokens(3 * PAGE + 1, seed=26)
+    a, b = cluster.engine(0, translate=False), cluster.engine(1, pack=pack)
+    sent = a.serve(prompt)
+    os.truncate(pack / "mapper.safetensors", 16)
+    served = b.serve(prompt)
+    assert served.reused == 3 * PAGE
+    assert_translation_at_true_positions(
+        b, served, a.pool_kv(sent.slots), cluster.mapper(0, 1), 0, 3 * PAGE
+    )
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"translate": "false"}, "translate must be a JSON true/false"),
+        ({"interface_v1": "0"}, "interface_v1 must be 0, 1, true or false"),
+        ({"peers": [{"model_name": "x", "pack": "y", "dtype": "float16"}]}, "unknown peer key"),
+        ({"peers": {"model_name": "x"}}, "peers must be a list"),
+        ({"sinks": "maybe"}, "sinks must be one of"),
+        ({"inner_backend": "mooncake"}, "not supported by sgl-kvmap yet"),
+    ],
+)
+def test_a_wrong_extra_config_stops_the_server_with_its_message(cluster, extra, message):
+    """SGLang builds the backend while the server starts: a wrong value is refused there."""
+    from sgl_kvmap.errors import KVMapError
+
+    config = {**cluster.extra(1), **extra}
+    with pytest.raises(KVMapError, match=message):
+        Engine(cluster.deployment["models"][1], cluster.deployment["names"][1], config)
 
 
 def damaged_copy(pack, tmp_path):
@@ -246,33 +449,13 @@ def damaged_copy(pack, tmp_path):
     shutil.copytree(pack, broken)
     weights = broken / "mapper.safetensors"
     data = bytearray(weights.read_bytes())
-    data[-64:] = bytes(64)  # flip the tail of the tensor data: the sha256 check must catch it
+    data[-64:] = bytes(64)  # the tail of the tensor data: the sha256 check must catch it
     weights.write_bytes(bytes(data))
     return broken
 
 
-def reverse_pack(deployment, tmp_path):
-    """A valid pack for another pair: the source model onto itself."""
-    from sgl_kvmap.calibrate import (
-        CalibrationConfig,
-        PairStatistics,
-        content_features,
-        fit_from_statistics,
-    )
-    from sgl_kvmap.capture import load_model
-
-    model = load_model(deployment["source"])
-    stats = PairStatistics(model.spec, model.spec)
-    for i in range(3):
-        cache = capture_kv(model.model, torch.randint(0, 100, (32,)))
-        features = content_features(cache, model.spec, slice(1, None))
-        stats.update(features, features, held_out=i == 2)
-    mapper, _ = fit_from_statistics(stats, CalibrationConfig(top_k=1))
-    return mapper.save_pretrained(tmp_path / "self_pack")
-
-
 def other_tokenizer_copy(model_dir, tmp_path):
-    """The target model's folder with a different tokenizer (one extra token)."""
+    """The model's folder with a different tokenizer (one extra token)."""
     import shutil
 
     from .conftest import char_tokenizer
@@ -281,3 +464,60 @@ def other_tokenizer_copy(model_dir, tmp_path):
     shutil.copytree(model_dir, copy)
     char_tokenizer(extra="§").save_pretrained(copy)
     return str(copy)
+
+
+@pytest.fixture(scope="module")
+def two_head_pair(tmp_path_factory):
+    """A pair with 2 KV heads on both sides (source 3 layers x 16, target 2 layers x 32) and
+    its pack, for tensor parallelism."""
+    from .conftest import tiny_model
+
+    root = tmp_path_factory.mktemp("two_heads")
+    loaded = (tiny_model("qwen2", seed=1), tiny_model("qwen2", seed=5, layers=2, head_dim=32))
+    names = [save_loaded(m, root / n) for m, n in zip(loaded, ("s", "t"))]
+    models = [load_model(name) for name in names]
+    mapper = dataclasses.replace(fit_tiny_mapper(*models), sink_tokens=4)
+    return names, models, str(mapper.save_pretrained(root / "pack"))
+
+
+@pytest.mark.parametrize("source_tp", [1, 2, 4])
+@pytest.mark.parametrize("target_tp", [1, 2, 4])
+def test_tensor_parallel_ranks_translate_their_own_heads(
+    two_head_pair, tmp_path, source_tp, target_tp
+):
+    """Over 2 KV heads, TP 1, 2 and 4 on either side (TP 4 replicates each head on 2 ranks, as
+    SGLang does): every target rank computes only its own heads, reading each of the source's
+    heads once from the ranks that hold it, and its pool holds the reference's columns of
+    those heads at the true positions."""
+    from sgl_kvmap.sglang.heads import rank_heads
+
+    from .sglang_server import TPGroup
+
+    names, models, pack = two_head_pair
+    store = str(tmp_path / "store")
+    off = sglang_extra_config(StorageSettings(interface_v1=True), store)
+    peer = PeerSettings(names[0], pack, tp_size=source_tp)
+    translating = StorageSettings(translate=True, interface_v1=True, peers=(peer,))
+    on = sglang_extra_config(translating, store)
+    prompt = tokens(4 * PAGE + 3, seed=30)
+    source, target = TPGroup(models[0], names[0], off, source_tp), None
+    try:
+        sent = source.serve(prompt)
+        target = TPGroup(models[1], names[1], on, target_tp)
+        served = target.serve(prompt)
+        source_kv = source.pool_kv([s.slots[: 4 * PAGE] for s in sent])
+        want = KVMapper.from_pretrained(pack).map(source_kv, fast_matmul_dtype("cpu"))
+        for rank, (engine, got) in enumerate(zip(target.ranks, served)):
+            heads = rank_heads(2, target_tp, rank)
+            assert got.reused == 4 * PAGE
+            assert engine.storage.peers[0].mapper.target.num_kv_heads == len(heads)
+            pool = engine.pool_kv(got.slots[: 4 * PAGE])
+            for g, w in zip(pool.keys + pool.values, want.keys + want.values):
+                torch.testing.assert_close(g, w[:, heads], rtol=0, atol=0)
+        rest = torch.tensor(prompt[4 * PAGE :])
+        logits = run(models[1].model, rest, past=want, logits_to_keep=rest.numel()).logits
+        torch.testing.assert_close(served[0].logits, logits)
+    finally:
+        for group in (source, target):
+            if group is not None:
+                group.close()

@@ -61,6 +61,15 @@ def engine_commands(
     return [_command(e, peers[e.name], store, store_path, page_size) for e in engines]
 
 
+def sglang_extra_config(settings: StorageSettings, store_path: str) -> dict:
+    """One engine's ``--hicache-storage-backend-extra-config`` object: its sgl-kvmap settings
+    plus the SGLang keys they rely on (the prefix's page keys with every write, which is how a
+    page's position reaches its record; the file store's folder)."""
+    return settings.to_extra_config(
+        hicache_storage_pass_prefix_keys=True, file_storage_path=store_path
+    )
+
+
 def _command(engine, peers, store, store_path, page_size) -> list[str]:
     settings = StorageSettings(
         inner_backend=store,
@@ -69,9 +78,7 @@ def _command(engine, peers, store, store_path, page_size) -> list[str]:
         model_path=engine.model_path,
         peers=tuple(peers),
     )
-    extra = settings.to_extra_config(
-        hicache_storage_pass_prefix_keys=True, file_storage_path=store_path
-    )
+    extra = sglang_extra_config(settings, store_path)
     return [
         "python", "-m", "sglang.launch_server",
         "--model-path", engine.model_path,

@@ -24,6 +24,10 @@ _ORDER = {  # axes of one K (or V) block, outermost first: P page tokens, L laye
     "page_head": "HPLD",
 }
 TOKEN_MAJOR = "PLHD"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+_GEOMETRY = ("layout", "page_size", "layers", "heads", "head_dim")
 
 
 @dataclass(frozen=True)
@@ -40,14 +44,33 @@ class PageFormat:
     def __post_init__(self) -> None:
         if self.layout not in _ORDER:
             raise KVMapError(f"unsupported HiCache layout {self.layout!r}; known: {sorted(_ORDER)}")
+        if self.dtype not in DTYPES.values():
+            raise KVMapError(f"unsupported KV dtype {self.dtype}; known: {sorted(DTYPES)}")
+        sizes = (self.page_size, self.layers, self.heads, self.head_dim)
+        if any(type(n) is not int or n < 1 for n in sizes):
+            raise KVMapError(f"page geometry (page, layers, heads, dim) {sizes} is not positive")
+
+    def to_dict(self) -> dict:
+        names = {dtype: name for name, dtype in DTYPES.items()}
+        return {**{f: getattr(self, f) for f in _GEOMETRY}, "dtype": names[self.dtype]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> PageFormat:
+        """Inverse of ``to_dict`` (KVMapError for anything malformed)."""
+        if not isinstance(data, dict) or set(data) != {*_GEOMETRY, "dtype"}:
+            raise KVMapError(f"not a page format: {data!r}")
+        if data["dtype"] not in DTYPES:
+            raise KVMapError(f"unsupported KV dtype {data['dtype']!r}")
+        return cls(**{**data, "dtype": DTYPES[data["dtype"]]})
 
     @property
     def numel(self) -> int:
         return 2 * self.page_size * self.layers * self.heads * self.head_dim
 
-    def empty_page(self) -> torch.Tensor:
-        """A flat buffer [numel] to read one stored page into."""
-        return torch.empty(self.numel, dtype=self.dtype)
+    def empty_page(self, pin: bool = False) -> torch.Tensor:
+        """A flat buffer [numel] to read one stored page into (``pin``: page-locked, for a
+        fast copy to a GPU)."""
+        return torch.empty(self.numel, dtype=self.dtype, pin_memory=pin)
 
     def to_tokens(self, flat: torch.Tensor) -> torch.Tensor:
         """flat: [numel] -> [2, page, layers, heads, dim] (K, V)."""

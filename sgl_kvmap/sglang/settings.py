@@ -6,14 +6,14 @@
      "peers": [{"model_name": "Qwen/Qwen2.5-Coder-0.5B-Instruct", "pack": "/packs/0.5B_to_1.5B"}]}
 
 Keys SGLang itself reads (file_storage_path, prefetch_threshold, ...) pass through untouched.
+Every key of ours is type-checked when the server starts: a wrong type (``"translate":
+"false"``) or an unknown peer key is refused with a message, never read as something else.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from typing import Any
-
-import torch
 
 from ..errors import KVMapError
 
@@ -22,61 +22,83 @@ BACKEND = {
     "module_path": "sgl_kvmap.sglang.storage",
     "class_name": "KVMapStorage",
 }
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+INNER_BACKENDS = ("file",)
+SINK_POLICIES = ("translate", "native")
 
 
 @dataclass(frozen=True)
 class PeerSettings:
-    """A peer engine. model_name: its served model name (its identity in the store);
-    model_path: where its config and tokenizer are (default: model_name); pack: the mapper
-    pack folder, peer -> this model; tp_size, layout, dtype: how the peer stores its pages."""
+    """A peer engine whose stored pages this engine may translate. model_name: its served model
+    name (its identity in the store); pack: the mapper pack folder, peer -> this model;
+    model_path: where its config and tokenizer are (default: model_name); tp_size: its tensor
+    parallel size (its pages are stored per rank). How the peer stores its pages (layout,
+    dtype, geometry) is read from the record written beside each page, not configured."""
 
     model_name: str
     pack: str
     model_path: str = ""
     tp_size: int = 1
-    layout: str = "page_first"
-    dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
+        _check_types(self, f"peer {self.model_name!r}")
+        if not self.model_name or not self.pack:
+            raise KVMapError("a peer needs a model_name and a pack")
+        if self.tp_size < 1:
+            raise KVMapError(f"peer {self.model_name}: tp_size {self.tp_size} < 1")
         if not self.model_path:
             object.__setattr__(self, "model_path", self.model_name)
-        if self.dtype not in DTYPES or self.tp_size < 1:
-            raise KVMapError(
-                f"peer {self.model_name}: dtype {self.dtype!r} / tp_size {self.tp_size}"
-            )
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+    @classmethod
+    def from_dict(cls, entry: Any) -> PeerSettings:
+        if not isinstance(entry, dict):
+            raise KVMapError(f"a peer entry must be a JSON object, got {entry!r}")
+        unknown = sorted(set(entry) - {f.name for f in fields(cls)})
+        if unknown:
+            raise KVMapError(
+                f"unknown peer key(s) {unknown} (known: {[f.name for f in fields(cls)]}); a "
+                "peer's page layout and dtype are recorded beside its pages, not configured"
+            )
+        return cls(**entry)
 
 
 @dataclass(frozen=True)
 class StorageSettings:
-    """inner_backend: the built-in store for this engine's own pages (and the peers').
-    translate: serve translated pages at all (off: a transparent wrapper). translate_sinks:
-    also translate a prefix's first page (attention sinks; lower fidelity). model_path: this
-    engine's model, if its served name is not a path or Hub id. remember_translated: how many
-    translated page keys are remembered to withhold them from storage."""
+    """inner_backend: the built-in store for this engine's own pages and its peers' (only
+    "file" so far). translate: serve translated pages at all (off: a transparent wrapper that
+    still records its pages for others). sinks: "translate" also translates a prefix's first
+    page when this engine has no copy of its own (a swap into a fresh engine), "native" only
+    translates after a first page of its own. interface_v1: SGLang's own key, which must be on
+    (positions and provenance come with the v1 calls). model_path: this engine's model, if its
+    served name is not a path or Hub id."""
 
     inner_backend: str = "file"
     translate: bool = False
-    translate_sinks: bool = False
+    sinks: str = "translate"
     interface_v1: bool = False
     model_path: str = ""
-    remember_translated: int = 1 << 20
     peers: tuple[PeerSettings, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_types(self, "the sgl-kvmap extra config")
+        if self.inner_backend not in INNER_BACKENDS:
+            raise KVMapError(
+                f"inner_backend {self.inner_backend!r} is not supported by sgl-kvmap yet (only "
+                f"{', '.join(INNER_BACKENDS)}): Mooncake and 3FS need their zero-copy v1 calls "
+                "wired and tested first"
+            )
+        if self.sinks not in SINK_POLICIES:
+            raise KVMapError(f"sinks must be one of {SINK_POLICIES}, got {self.sinks!r}")
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> StorageSettings:
         """Read sgl-kvmap's keys from SGLang's extra config (other keys are SGLang's)."""
-        ours = {f.name for f in fields(cls)}
-        values = {key: extra[key] for key in ours if key in extra}
-        try:
-            values["peers"] = tuple(PeerSettings(**peer) for peer in values.get("peers", ()))
-        except TypeError as error:
-            raise KVMapError(f"bad peer entry in the sgl-kvmap extra config: {error}") from None
-        values["interface_v1"] = bool(values.get("interface_v1", False))
+        values = {f.name: extra[f.name] for f in fields(cls) if f.name in extra}
+        peers = values.get("peers", [])
+        if not isinstance(peers, list):
+            raise KVMapError(f"peers must be a list of objects, got {peers!r}")
+        values["peers"] = tuple(PeerSettings.from_dict(peer) for peer in peers)
+        if "interface_v1" in values:
+            values["interface_v1"] = _flag(values["interface_v1"], "interface_v1")
         return cls(**values)
 
     def to_extra_config(self, **sglang_keys: Any) -> dict[str, Any]:
@@ -86,11 +108,29 @@ class StorageSettings:
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name == "peers":
-                value = [_peer_dict(p) for p in value]
+                value = [{g.name: getattr(p, g.name) for g in fields(p)} for p in value]
             out[f.name] = value
         out["interface_v1"] = 1 if self.interface_v1 else 0
         return out
 
 
-def _peer_dict(peer: PeerSettings) -> dict[str, Any]:
-    return {f.name: getattr(peer, f.name) for f in fields(peer)}
+_TYPES = {"str": str, "bool": bool, "int": int}
+
+
+def _check_types(settings, where: str) -> None:
+    for f in fields(settings):
+        want = _TYPES.get(f.type)
+        value = getattr(settings, f.name)
+        if want is not None and (type(value) is not want):
+            raise KVMapError(f"{where}: {f.name} must be a JSON {_json_name(want)}, got {value!r}")
+
+
+def _flag(value: Any, name: str) -> bool:
+    """SGLang's 0/1 (or true/false) switches; anything else is refused."""
+    if type(value) is bool or (type(value) is int and value in (0, 1)):
+        return bool(value)
+    raise KVMapError(f"{name} must be 0, 1, true or false, got {value!r}")
+
+
+def _json_name(python_type: type) -> str:
+    return {str: "string", bool: "true/false", int: "integer"}[python_type]

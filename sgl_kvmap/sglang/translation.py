@@ -1,0 +1,48 @@
+"""One run of stored pages, translated: token-major KV in, token-major KV out (pure; no sglang).
+
+The step KVMapStorage runs between reading a peer's pages and writing its own host pages, kept
+apart so ``sglang-args`` can time it on this machine without SGLang. On an engine with a GPU it
+runs there (``translate_pages``' Triton body, on a stream of its own, through page-locked host
+buffers); otherwise on the CPU, with the products in the dtype this CPU multiplies fast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..kernels import PagedKV, fast_matmul_dtype, translate_pages
+from ..mapper import KVMapper
+
+
+def translate_tokens(
+    mapper: KVMapper, source: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """source: [2, tokens, source layers, source heads, dim] (K, V; keys post-RoPE) on the
+    CPU; positions: [tokens]. Returns [2, tokens, target layers, target heads, dim] in
+    ``dtype`` on the CPU. Runs on the mapper's device (move it there first, ``KVMapper.to``)."""
+    device = mapper.maps["k"][0].weight.device
+    spec = mapper.target
+    shape = (2, source.shape[1], spec.num_layers, spec.num_kv_heads, spec.head_dim)
+    on_gpu = device.type == "cuda"
+    stream = torch.cuda.Stream(device) if on_gpu else None
+    result = torch.empty(shape, dtype=dtype, pin_memory=on_gpu)
+    matmul_dtype = torch.float32 if dtype == torch.float32 else fast_matmul_dtype(device)
+    with torch.cuda.stream(stream) if on_gpu else contextlib.nullcontext():
+        source = source.to(device, non_blocking=True)
+        target = torch.empty(shape, dtype=dtype, device=device)
+        slots = torch.arange(source.shape[1], device=device)
+        translate_pages(
+            mapper, _paged(source), slots, _paged(target), slots, positions.to(device),
+            matmul_dtype=matmul_dtype,
+        )  # fmt: skip
+        result.copy_(target, non_blocking=on_gpu)
+    if on_gpu:
+        stream.synchronize()
+    return result
+
+
+def _paged(kv: torch.Tensor) -> PagedKV:
+    """[2, tokens, layers, heads, dim] -> per-layer views [tokens, heads, dim]."""
+    return PagedKV(list(kv[0].unbind(1)), list(kv[1].unbind(1)))
