@@ -525,23 +525,43 @@ def demo(
 )
 @click.option(
     "--store",
+    type=click.Choice(["file"]),
     default="file",
     show_default=True,
-    help="Built-in HiCache store the engines share: file (one node), mooncake or hf3fs.",
+    help="Built-in HiCache store the engines share (file: one node; Mooncake and 3FS are not "
+    "supported yet).",
 )
 @click.option("--store-path", default="/tmp/sgl-kvmap-hicache", show_default=True)
 @click.option("--page-size", default=64, show_default=True)
 @click.option("--port", default=30000, show_default=True, help="First engine's port (+1 each).")
 @click.option("--tp", "tp_size", default=1, show_default=True, help="Tensor parallel size.")
-def sglang_args(engines, packs, store, store_path, page_size, port, tp_size) -> None:
+@click.option(
+    "--prefetch-policy",
+    type=click.Choice(["timeout", "wait_complete", "best_effort"]),
+    default="timeout",
+    show_default=True,
+    help="SGLang's prefetch stop policy for engines that translate; with timeout, the deadline "
+    "is set from the packs' translation time measured on this machine.",
+)
+def sglang_args(engines, packs, store, store_path, page_size, port, tp_size, prefetch_policy):
     """Print the SGLang launch command of every ENGINE, sharing prefixes through sgl-kvmap."""
-    from .sglang.launch import EngineSpec, engine_commands, shell_line
+    from .sglang.launch import EngineSpec, engine_commands, measured_deadline, shell_line
 
     specs = [
         EngineSpec(*engine.split("=", 1), port=port + i, tp_size=tp_size)
         for i, engine in enumerate(engines)
     ]
-    for spec, argv in zip(specs, engine_commands(specs, list(packs), store, store_path, page_size)):
+    deadline, lines = measured_deadline(list(packs), prefetch_policy)
+    for line in lines:
+        click.echo(f"# {line}")
+    if packs and deadline.policy == "timeout":
+        click.echo(
+            f"# prefetch deadline: {deadline.base:g} s + {deadline.per_ki_token:g} s per 1K "
+            f"tokens ({deadline.seconds(2048):.1f} s at 2,048 tokens, "
+            f"{deadline.seconds(8192):.1f} s at 8,192)"
+        )
+    commands = engine_commands(specs, list(packs), store, store_path, page_size, deadline)
+    for spec, argv in zip(specs, commands):
         click.echo(f"# {spec.name}")
         click.echo(shell_line(argv))
 

@@ -193,6 +193,9 @@ def test_sglang_args_give_the_target_its_peer_and_pack(fitted_pack, model_dirs):
     assert result.exit_code == 0, result.output
     commands = [shlex.split(line) for line in result.output.splitlines() if line.startswith("py")]
     assert len(commands) == 2
+    assert "# prefetch deadline:" in result.output and "1 thread" in result.output
+    parsed = [sglang_parses(c[3:]) for c in commands]  # SGLang's own parser takes every flag
+    assert parsed[1].hicache_storage_prefetch_policy == "timeout"
     flags = [launch_flags(c[3:]) for c in commands]
     assert [f["--port"] for f in flags] == ["31000", "31001"]
     assert flags[1]["--served-model-name"] == "big"
@@ -204,10 +207,25 @@ def test_sglang_args_give_the_target_its_peer_and_pack(fitted_pack, model_dirs):
     assert to_target.translate and [p.model_name for p in to_target.peers] == [source]
     assert to_target.peers[0].pack == str(fitted_pack[0].resolve())
     assert not StorageSettings.from_extra_config(extra[0]).translate  # no pack INTO the source
+    assert extra[1]["prefetch_timeout_base"] >= 1 and extra[1]["prefetch_timeout_per_ki_token"] > 0
+    assert "prefetch_timeout_base" not in extra[0]  # SGLang's defaults where nothing translates
+    mooncake = CliRunner().invoke(main, [*args, str(fitted_pack[0]), "--store", "mooncake"])
+    assert mooncake.exit_code == 2 and "'mooncake' is not 'file'" in mooncake.output
     wrong = CliRunner().invoke(
         main, ["sglang-args", "--engine", source, "--pack", str(fitted_pack[0])]
     )
     assert wrong.exit_code != 0 and "not both among the engines" in str(wrong.exception)
+
+
+def sglang_parses(argv: list[str]):
+    """``argv`` as SGLang 0.5.23's server parses it (argparse.Namespace)."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    return parser.parse_args(argv)
 
 
 def launch_flags(argv: list[str]) -> dict[str, str | None]:

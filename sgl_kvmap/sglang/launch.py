@@ -1,8 +1,13 @@
 """Launch flags for SGLang engines that share cached prefixes through sgl-kvmap (no sglang import).
 
-Every engine gets HiCache with the KVMapStorage backend over one shared store; its peers are
-the other engines for which a pack translates INTO it. Packs are matched to engines by the
+Every engine gets HiCache with the KVMapStorage backend over one shared file store; its peers
+are the other engines for which a pack translates INTO it. Packs are matched to engines by the
 fingerprints recorded in them (config + tokenizer), never by name.
+
+A translated prefetch must finish before SGLang's prefetch deadline (the ``timeout`` stop
+policy: ``prefetch_timeout_base + prefetch_timeout_per_ki_token x tokens / 1024`` seconds),
+or SGLang cuts it and prefills the rest. ``prefetch_deadline`` sets both from the translation
+time measured on this machine (``translation.translation_seconds``), with a margin.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ from pathlib import Path
 from ..errors import KVMapError
 from ..pack import read_config
 from ..spec import spec_from_pretrained
-from .settings import PeerSettings, StorageSettings
+from .settings import INNER_BACKENDS, PeerSettings, StorageSettings
+
+PREFETCH_POLICIES = ("timeout", "wait_complete", "best_effort")
 
 
 @dataclass(frozen=True)
@@ -32,18 +39,70 @@ class EngineSpec:
         return self.served_name or self.model_path
 
 
+@dataclass(frozen=True)
+class PrefetchDeadline:
+    """SGLang's prefetch stop policy and, for ``timeout``, its deadline:
+    ``base + per_ki_token x tokens / 1024`` seconds (SGLang's defaults: 1 and 0.25)."""
+
+    policy: str = "timeout"
+    base: float = 1.0
+    per_ki_token: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.policy not in PREFETCH_POLICIES:
+            raise KVMapError(f"prefetch policy must be one of {PREFETCH_POLICIES}")
+
+    def seconds(self, tokens: int) -> float:
+        return self.base + self.per_ki_token * tokens / 1024
+
+    def sglang_keys(self) -> dict:
+        """The extra-config keys SGLang reads for it."""
+        return {
+            "prefetch_timeout_base": self.base,
+            "prefetch_timeout_per_ki_token": self.per_ki_token,
+        }
+
+
+def prefetch_deadline(
+    measured: list[tuple[int, float]], margin: float = 2.0, policy: str = "timeout"
+) -> PrefetchDeadline:
+    """A deadline ``margin`` times the translation time at every length, from (tokens,
+    seconds) measured at two lengths (the time is linear in tokens); never below SGLang's
+    defaults."""
+    (n1, t1), (n2, t2) = sorted(measured)[0], sorted(measured)[-1]
+    per_token = max(0.0, (t2 - t1) / (n2 - n1)) if n2 > n1 else t2 / n2
+    fixed = max(0.0, t1 - per_token * n1)
+    return PrefetchDeadline(
+        policy, base=round(max(1.0, margin * fixed), 2),
+        per_ki_token=round(max(0.25, margin * per_token * 1024), 3),
+    )  # fmt: skip
+
+
 def engine_commands(
     engines: list[EngineSpec],
     packs: list[str | Path],
     store: str = "file",
     store_path: str = "/tmp/sgl-kvmap-hicache",
     page_size: int = 64,
+    deadline: PrefetchDeadline | None = None,
 ) -> list[list[str]]:
-    """argv of ``python -m sglang.launch_server`` for every engine (same order).
+    """argv of ``python -m sglang.launch_server`` for every engine (same order). ``deadline``:
+    the prefetch stop policy of engines that translate (SGLang's default without one)."""
+    if store not in INNER_BACKENDS:
+        raise KVMapError(
+            f"store {store!r} is not supported by sgl-kvmap yet (only "
+            f"{', '.join(INNER_BACKENDS)}): Mooncake and 3FS need their zero-copy v1 calls "
+            "wired and tested first"
+        )
+    peers = peers_of(engines, packs)
+    return [
+        _command(e, peers[e.name], store, store_path, page_size, deadline or PrefetchDeadline())
+        for e in engines
+    ]
 
-    store: the built-in HiCache store the engines share ("file" on one node; "mooncake" or
-    "hf3fs" across nodes, configured as SGLang documents).
-    """
+
+def peers_of(engines: list[EngineSpec], packs: list[str | Path]) -> dict[str, list[PeerSettings]]:
+    """Each engine's peers: the engines a pack translates from INTO it (by fingerprints)."""
     by_fingerprint = {spec_from_pretrained(e.model_path).fingerprint: e for e in engines}
     peers: dict[str, list[PeerSettings]] = {e.name: [] for e in engines}
     for pack in packs:
@@ -58,19 +117,20 @@ def engine_commands(
         peers[target.name].append(
             PeerSettings(source.name, str(Path(pack).resolve()), source.model_path, source.tp_size)
         )
-    return [_command(e, peers[e.name], store, store_path, page_size) for e in engines]
+    return peers
 
 
-def sglang_extra_config(settings: StorageSettings, store_path: str) -> dict:
+def sglang_extra_config(
+    settings: StorageSettings, store_path: str, deadline: PrefetchDeadline | None = None
+) -> dict:
     """One engine's ``--hicache-storage-backend-extra-config`` object: its sgl-kvmap settings
     plus the SGLang keys they rely on (the prefix's page keys with every write, which is how a
-    page's position reaches its record; the file store's folder)."""
-    return settings.to_extra_config(
-        hicache_storage_pass_prefix_keys=True, file_storage_path=store_path
-    )
+    page's position reaches its record; the file store's folder; the prefetch deadline)."""
+    keys = {"hicache_storage_pass_prefix_keys": True, "file_storage_path": store_path}
+    return settings.to_extra_config(**keys, **(deadline.sglang_keys() if deadline else {}))
 
 
-def _command(engine, peers, store, store_path, page_size) -> list[str]:
+def _command(engine, peers, store, store_path, page_size, deadline) -> list[str]:
     settings = StorageSettings(
         inner_backend=store,
         translate=bool(peers),
@@ -78,7 +138,9 @@ def _command(engine, peers, store, store_path, page_size) -> list[str]:
         model_path=engine.model_path,
         peers=tuple(peers),
     )
-    extra = sglang_extra_config(settings, store_path)
+    deadline = deadline if peers else None
+    extra = sglang_extra_config(settings, store_path, deadline)
+    policy = ["--hicache-storage-prefetch-policy", deadline.policy] if deadline else []
     return [
         "python", "-m", "sglang.launch_server",
         "--model-path", engine.model_path,
@@ -90,9 +152,35 @@ def _command(engine, peers, store, store_path, page_size) -> list[str]:
         "--hicache-mem-layout", "page_first",
         "--hicache-write-policy", "write_through",
         "--hicache-storage-backend", "dynamic",
+        *policy,
         "--hicache-storage-backend-extra-config", json.dumps(extra, sort_keys=True),
     ]  # fmt: skip
 
 
 def shell_line(argv: list[str]) -> str:
     return " ".join(shlex.quote(arg) for arg in argv)
+
+
+def measured_deadline(
+    packs: list[str | Path], policy: str = "timeout", lengths: tuple[int, int] = (512, 2048)
+) -> tuple[PrefetchDeadline, list[str]]:
+    """The prefetch deadline for the slowest pack's translation, timed on this machine as an
+    engine runs it (one thread; on the GPU when there is one), and a line per pack saying
+    what was measured."""
+    import torch
+
+    from ..mapper import KVMapper
+    from .translation import translation_seconds
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    deadlines, lines = [], []
+    for pack in packs:
+        mapper = KVMapper.from_pretrained(pack).to(device)
+        times = [(n, translation_seconds(mapper, n)) for n in lengths]
+        deadlines.append(prefetch_deadline(times, policy=policy))
+        measured = ", ".join(f"{n:,} tokens {t:.2f} s" for n, t in times)
+        lines.append(f"translation by {pack} on this machine ({device}, 1 thread): {measured}")
+    if not deadlines:
+        return PrefetchDeadline(policy), lines
+    slowest = max(deadlines, key=lambda d: d.seconds(8192))
+    return slowest, lines
