@@ -1,17 +1,22 @@
-"""Cost of a prefix hand-over through KVMapStorage on CPU, against the target's re-prefill.
+"""Cost of a prefix hand-over through SGLang's HiCache control flow on CPU, at one thread.
 
-    python benchmarks/sglang_storage_speed.py PACK [--tokens 2048] [--page 64]
+    python benchmarks/sglang_storage_speed.py PACK [--tokens 2048 --tokens 8192] [--page 64]
+        [--threads 1] [--prefill-up-to 2048] [--out benchmarks/results/sglang_storage_speed.json]
 
-Real SGLang 0.5.23 objects (as in tests/sglang_engines.py): the 0.5B engine stores a prompt's
-pages in a file store; the 1.5B engine then reads them through KVMapStorage (batch_exists +
-batch_get_v1: file reads, the translation into its host pool). Timed beside the 1.5B's own
-prefill of the same tokens and a native read of the same number of its own pages. Writes
-benchmarks/results/sglang_storage_speed.json. Needs scripts/setup_cpu.sh (sglang installed).
+The 0.5B engine serves a prompt and stores its pages (untimed). Then, with ``--threads`` torch
+threads (SGLang's GPU server processes run one), a fresh 1.5B engine takes the same prompt
+plus one token: timed from the scheduler's prefetch decision to the prefix loaded into its
+device pool (the controller's hit query, the page transfer with KVMapStorage's record checks,
+file reads and translation into the host pool, insert_host, the load-back). Beside it: the
+translation alone (``translation_seconds``, no I/O), the prefetch deadline ``sgl-kvmap
+sglang-args`` would set on this machine, and the 1.5B's own prefill of the prompt (up to
+``--prefill-up-to`` tokens; it grows fast). Engines are tests/sglang_server.py.
 """
 
 from __future__ import annotations
 
 import json
+import platform
 import sys
 import tempfile
 import time
@@ -22,9 +27,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sgl_kvmap.capture import capture_kv, load_model  # noqa: E402
+from sgl_kvmap import KVMapper, load_model  # noqa: E402
+from sgl_kvmap.capture import run  # noqa: E402
 from sgl_kvmap.default_pair import LARGE, SMALL, ensure_model  # noqa: E402
+from sgl_kvmap.kernels import fast_matmul_dtype  # noqa: E402
 from sgl_kvmap.sglang import PeerSettings, StorageSettings  # noqa: E402
+from sgl_kvmap.sglang.launch import measured_deadline, sglang_extra_config  # noqa: E402
+from sgl_kvmap.sglang.translation import translation_seconds  # noqa: E402
 from sgl_kvmap.texts import prompt_of_length  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -32,52 +41,73 @@ RESULTS = Path(__file__).parent / "results"
 
 @click.command()
 @click.argument("pack", type=click.Path(exists=True, file_okay=False))
-@click.option("--tokens", default=2048, show_default=True)
+@click.option("--tokens", "lengths", multiple=True, type=int, default=(2048, 8192),
+              show_default=True)  # fmt: skip
 @click.option("--page", default=64, show_default=True)
-def main(pack, tokens, page) -> None:
-    from tests import sglang_engines
-    from tests.sglang_engines import Engine, info, page_keys
+@click.option("--threads", default=1, show_default=True, help="torch threads while timed.")
+@click.option("--prefill-up-to", default=2048, show_default=True)
+@click.option(
+    "--out", type=click.Path(dir_okay=False), default=str(RESULTS / "sglang_storage_speed.json")
+)
+def main(pack, lengths, page, threads, prefill_up_to, out) -> None:
+    from tests.sglang_server import Engine
 
-    sglang_engines.PAGE, sglang_engines.SLOTS = page, 2 * tokens
     names = str(ensure_model(SMALL)), str(ensure_model(LARGE))
     small, large = load_model(names[0]), load_model(names[1])
-    store = {"file_storage_path": tempfile.mkdtemp()}
-    peer = PeerSettings(model_name=names[0], pack=str(pack))
-    on = StorageSettings(translate=True, interface_v1=True, peers=(peer,)).to_extra_config(**store)
-    prompt = prompt_of_length(large.tokenizer, tokens).tolist()
-    source = Engine.build(small, names[0], StorageSettings().to_extra_config(**store))
-    source.back_up(prompt, source.prefill(prompt))
-    target = Engine.build(large, names[1], on)
-    target.back_up(prompt[:page], target.prefill(prompt[:page]))
-    keys = page_keys(prompt)
-
-    started = time.perf_counter()
-    hits = target.storage.batch_exists(keys, info(None))
-    ok = target.storage.batch_get_v1(keys, target.host.alloc(len(keys) * page), info([]))
-    translate_seconds = time.perf_counter() - started
-    assert hits == len(keys) and all(ok), (hits, ok)
-
-    started = time.perf_counter()
-    capture_kv(large.model, torch.tensor(prompt))
-    prefill_seconds = time.perf_counter() - started
-
-    started = time.perf_counter()
-    native = target.storage.batch_get_v1(keys[:1], target.host.alloc(page), info([]))
-    native_page_seconds = time.perf_counter() - started
-    assert native == [True]
-
+    mapper = KVMapper.from_pretrained(pack)
+    setup_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    deadline, _ = measured_deadline([pack])
+    products = fast_matmul_dtype("cpu")
+    torch.set_num_threads(setup_threads)
+    rows = []
+    for n in lengths:
+        if n % page:
+            raise click.BadParameter(f"{n} is not whole pages of {page}", param_hint="--tokens")
+        prompt = prompt_of_length(large.tokenizer, n + 1).tolist()
+        store = tempfile.mkdtemp(prefix="storage-speed-")
+        peer = PeerSettings(names[0], str(pack))
+        on = StorageSettings(translate=True, interface_v1=True, peers=(peer,))
+        off = StorageSettings(interface_v1=True)
+        source = Engine(small, names[0], sglang_extra_config(off, store), page_size=page,
+                        slots=2 * n + 2 * page)  # fmt: skip
+        target = Engine(large, names[1], sglang_extra_config(on, store), page_size=page,
+                        slots=2 * n + 2 * page)  # fmt: skip
+        try:
+            source.serve(prompt[:n])
+            torch.set_num_threads(threads)
+            started = time.perf_counter()
+            req, _ = target.begin(prompt)
+            hand_over = time.perf_counter() - started
+            assert req.prefix_len == n, req.prefix_len
+            assert target.storage.counters["translated_pages"] == n // page
+            translate_only = translation_seconds(mapper, n, threads)
+            prefill = None
+            if n <= prefill_up_to:
+                started = time.perf_counter()
+                run(large.model, torch.tensor(prompt[:n]))
+                prefill = time.perf_counter() - started
+        finally:
+            torch.set_num_threads(setup_threads)
+            source.close()
+            target.close()
+        rows.append({
+            "tokens": n, "hand_over_seconds": hand_over, "translation_seconds": translate_only,
+            "prefetch_deadline_seconds": deadline.seconds(n),
+            "within_deadline": hand_over < deadline.seconds(n),
+            "target_prefill_seconds": prefill,
+            "prefill_over_hand_over": None if prefill is None else prefill / hand_over,
+        })  # fmt: skip
+        print(json.dumps(rows[-1]))
     result = {
-        "tokens": tokens,
-        "page_size": page,
-        "pages_translated": target.storage.counters["translated_pages"],
-        "hand_over_seconds": translate_seconds,
-        "target_prefill_seconds": prefill_seconds,
-        "speedup": prefill_seconds / translate_seconds,
-        "native_read_seconds_per_page": native_page_seconds,
-        "mapper_k": json.loads((Path(pack) / "kvmap.json").read_text())["metrics"].get("k"),
-    }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "sglang_storage_speed.json").write_text(json.dumps(result, indent=1) + "\n")
+        "pack": str(pack), "pack_k": mapper.k, "pack_rank": mapper.rank, "page_size": page,
+        "threads": threads, "products_dtype": str(products).replace("torch.", ""),
+        "cpu": platform.processor() or platform.machine(),
+        "deadline": {"base": deadline.base, "per_ki_token": deadline.per_ki_token},
+        "rows": rows,
+    }  # fmt: skip
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
 
 

@@ -121,18 +121,19 @@ class Engine:
 
     def __init__(
         self, model: LoadedModel, name: str, extra: dict, tp_rank=0, tp_size=1,
-        dtype=torch.bfloat16, layout="page_first",
+        dtype=torch.bfloat16, layout="page_first", page_size=PAGE, slots=SLOTS,
     ):  # fmt: skip
-        self.model, self.name = model, name
+        self.model, self.name, self.page_size, self.slots = model, name, page_size, slots
         self.heads = rank_heads(model.spec.num_kv_heads, tp_size, tp_rank)
         get_parallel().override_permanently(tp_rank=tp_rank, **dict.fromkeys(_RANKS, 0))
         self._args = get_context().override_server_args(
-            model_path=name, served_model_name=name, device="cpu", page_size=PAGE, tp_size=tp_size,
+            model_path=name, served_model_name=name, device="cpu", page_size=page_size,
+            tp_size=tp_size,
             enable_hierarchical_cache=True, hicache_ratio=2.0, hicache_mem_layout=layout,
             hicache_write_policy="write_through", hicache_storage_backend="dynamic",
             hicache_storage_prefetch_policy="wait_complete",
             hicache_storage_backend_extra_config=json.dumps(
-                {"prefetch_threshold": PAGE, **extra}
+                {"prefetch_threshold": page_size, **extra}
             ),
         )  # fmt: skip
         server_args = self._args.install()
@@ -149,19 +150,19 @@ class Engine:
     def _build(self, server_args, tp_rank: int, tp_size: int, dtype: torch.dtype) -> None:
         spec = self.model.spec
         self.device = MHATokenToKVPool(
-            size=SLOTS, page_size=PAGE, dtype=dtype, head_num=len(self.heads),
+            size=self.slots, page_size=self.page_size, dtype=dtype, head_num=len(self.heads),
             head_dim=spec.head_dim, layer_num=spec.num_layers, device="cpu",
             enable_memory_saver=False, start_layer=0, end_layer=spec.num_layers,
         )  # fmt: skip
         self.allocator = PagedTokenToKVPoolAllocator(
-            SLOTS, PAGE, dtype, "cpu", self.device, need_sort=False
+            self.slots, self.page_size, dtype, "cpu", self.device, need_sort=False
         )
         self.requests = ReqToTokenPool(
-            size=8, max_context_len=SLOTS, device="cpu", enable_memory_saver=False
+            size=8, max_context_len=self.slots, device="cpu", enable_memory_saver=False
         )
         params = CacheInitParams(
             disable=False, req_to_token_pool=self.requests,
-            token_to_kv_pool_allocator=self.allocator, page_size=PAGE,
+            token_to_kv_pool_allocator=self.allocator, page_size=self.page_size,
         )  # fmt: skip
         self.tree = create_unified_radix_cache(
             TreeCacheBuildContext(

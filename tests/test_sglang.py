@@ -521,3 +521,17 @@ def test_tensor_parallel_ranks_translate_their_own_heads(
         for group in (source, target):
             if group is not None:
                 group.close()
+
+
+def test_a_tail_of_pages_is_left_for_the_target_to_compute(cluster):
+    """``tail_pages``: the last pages of a translatable run are computed by the target itself
+    (its own KV there), the rest translated at their true positions."""
+    prompt = tokens(5 * PAGE + 3, seed=27)
+    a, b = cluster.engine(0, translate=False), cluster.engine(1, tail_pages=2)
+    sent = a.serve(prompt)
+    served = b.serve(prompt)
+    assert served.reused == 3 * PAGE and b.storage.counters["translated_pages"] == 3
+    assert_translation_at_true_positions(
+        b, served, a.pool_kv(sent.slots), cluster.mapper(0, 1), 0, 3 * PAGE
+    )
+    assert_logits_over_pool(b, served, prompt)

@@ -33,6 +33,12 @@ class PagedKV:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
 
+    @classmethod
+    def token_major(cls, kv: torch.Tensor) -> PagedKV:
+        """Per-layer views of one token-major buffer ``kv: [2, slots, layers, heads, dim]``
+        (K, V), as HiCache's host pages hold them once decoded."""
+        return cls(list(kv[0].unbind(1)), list(kv[1].unbind(1)))
+
     @property
     def geometry(self) -> tuple[int, int, int]:
         """(layers, kv_heads, head_dim)."""

@@ -67,13 +67,15 @@ class StorageSettings:
     "file" so far). translate: serve translated pages at all (off: a transparent wrapper that
     still records its pages for others). sinks: "translate" also translates a prefix's first
     page when this engine has no copy of its own (a swap into a fresh engine), "native" only
-    translates after a first page of its own. interface_v1: SGLang's own key, which must be on
-    (positions and provenance come with the v1 calls). model_path: this engine's model, if its
-    served name is not a path or Hub id."""
+    translates after a first page of its own. tail_pages: the last pages of a translatable run
+    that this engine computes itself instead (the hand-off's recomputed tail).
+    interface_v1: SGLang's own key, which must be on (positions and provenance come with the v1
+    calls). model_path: this engine's model, if its served name is not a path or Hub id."""
 
     inner_backend: str = "file"
     translate: bool = False
     sinks: str = "translate"
+    tail_pages: int = 0
     interface_v1: bool = False
     model_path: str = ""
     peers: tuple[PeerSettings, ...] = ()
@@ -86,6 +88,8 @@ class StorageSettings:
                 f"{', '.join(INNER_BACKENDS)}): Mooncake and 3FS need their zero-copy v1 calls "
                 "wired and tested first"
             )
+        if self.tail_pages < 0:
+            raise KVMapError(f"tail_pages must be >= 0, got {self.tail_pages}")
         if self.sinks not in SINK_POLICIES:
             raise KVMapError(f"sinks must be one of {SINK_POLICIES}, got {self.sinks!r}")
 

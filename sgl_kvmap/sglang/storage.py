@@ -221,7 +221,8 @@ class KVMapStorage(HiCacheStorage):
         if native == len(keys) or not self.peers:
             return native
         parent = keys[native - 1] if native else None
-        return native + max(len(self._run(peer, keys[native:], parent)[0]) for peer in self.peers)
+        run = max(len(self._run(peer, keys[native:], parent)[0]) for peer in self.peers)
+        return native + max(0, run - self.settings.tail_pages)  # the tail: computed by SGLang
 
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info=None

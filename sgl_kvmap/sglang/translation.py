@@ -34,19 +34,15 @@ def translate_tokens(
         source = source.to(device, non_blocking=True)
         target = torch.empty(shape, dtype=dtype, device=device)
         slots = torch.arange(source.shape[1], device=device)
+        pools = PagedKV.token_major(source), PagedKV.token_major(target)
         translate_pages(
-            mapper, _paged(source), slots, _paged(target), slots, positions.to(device),
+            mapper, pools[0], slots, pools[1], slots, positions.to(device),
             matmul_dtype=matmul_dtype,
         )  # fmt: skip
         result.copy_(target, non_blocking=on_gpu)
     if on_gpu:
         stream.synchronize()
     return result
-
-
-def _paged(kv: torch.Tensor) -> PagedKV:
-    """[2, tokens, layers, heads, dim] -> per-layer views [tokens, heads, dim]."""
-    return PagedKV(list(kv[0].unbind(1)), list(kv[1].unbind(1)))
 
 
 def translation_seconds(mapper: KVMapper, tokens: int, threads: int = 1) -> float:
