@@ -30,8 +30,10 @@ storage backend made by StorageBackendFactory from the extra config (KVMapStorag
 Substituted, because they need CUDA: the host pool is allocated unpinned (pinning needs a CUDA
 driver), and its two device<->host copies (``load_to_device_per_layer`` and
 ``backup_from_device_all_layer``, sgl_kernel's ``transfer_kv_*`` kernels) are torch indexing
-copies with the same effect for the page_first layout. The process's parallel ranks are
-stamped (rank 0 of its TP group, or the rank asked for), as a server's launcher publishes them.
+copies with the same effect for the page_first layout. The host pool is sized against a fixed
+1 GiB budget (a server keeps 10 GB of the machine's free memory in reserve, which a test
+machine running the models beside it may not have). The process's parallel ranks are stamped
+(rank 0 of its TP group, or the rank asked for), as a server's launcher publishes them.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.common import release_kv_cache
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_unified_radix_cache
 from sglang.srt.mem_cache.utils import get_hash_str
@@ -164,7 +167,12 @@ class Engine:
             disable=False, req_to_token_pool=self.requests,
             token_to_kv_pool_allocator=self.allocator, page_size=self.page_size,
         )  # fmt: skip
-        self.tree = create_unified_radix_cache(
+        with host_memory_budget_scope(1 << 30):
+            self.tree = self._tree(server_args, params, tp_rank, tp_size)
+
+    @staticmethod
+    def _tree(server_args, params, tp_rank: int, tp_size: int):
+        return create_unified_radix_cache(
             TreeCacheBuildContext(
                 server_args=server_args, params=params, is_hybrid_swa=False,
                 is_hybrid_ssm=False, enable_hierarchical_cache=True, disable_radix_cache=False,

@@ -535,3 +535,56 @@ def test_a_tail_of_pages_is_left_for_the_target_to_compute(cluster):
         b, served, a.pool_kv(sent.slots), cluster.mapper(0, 1), 0, 3 * PAGE
     )
     assert_logits_over_pool(b, served, prompt)
+
+
+def test_an_unknown_host_layout_starts_the_engine_without_translation(cluster):
+    """A host pool whose pages sgl-kvmap cannot read (here SGLang's page_unified layout) turns
+    translation off with a logged reason; the server starts."""
+    engine = Engine(
+        cluster.deployment["models"][1], cluster.deployment["names"][1], cluster.extra(1),
+        layout="page_unified",
+    )  # fmt: skip
+    cluster.engines.append(engine)
+    assert engine.storage.counters["fallback.pool_unsupported"] == 1
+    assert engine.storage.peers == [] and engine.storage.own_records is None
+
+
+def test_an_mla_pool_switches_translation_off_and_its_pages_are_still_stored(cluster):
+    """KVMapStorage built by SGLang's factory for an MLA model gets a real MLA host pool (one
+    latent per token, no per-head K and V): translation is off with a logged reason, and the
+    engine's own pages are stored and read back through the inner store as without sgl-kvmap.
+    Substituted: the host pool is built directly (unpinned) instead of by the cache's factory."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+
+    device = MLATokenToKVPool(
+        size=64, page_size=PAGE, dtype=torch.bfloat16, kv_lora_rank=32, qk_rope_head_dim=16,
+        layer_num=2, device="cpu", enable_memory_saver=False, start_layer=0, end_layer=2,
+    )  # fmt: skip
+    with host_memory_budget_scope(1 << 28):
+        host = MLATokenToKVPoolHost(
+            device.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, "page_first",
+            pin_memory=False, device_capacity_tokens=64, start_layer=0, end_layer=2,
+            target_layer_num=2,
+        )  # fmt: skip
+    config = HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=True, enable_storage_metrics=False, is_page_first_layout=True,
+        model_name="mla-model", extra_config=cluster.extra(1),
+    )  # fmt: skip
+    storage = StorageBackendFactory.create_backend("dynamic", config, host)
+    storage.register_mem_pool_host(host)
+    assert storage.counters["fallback.pool_unsupported"] == 1 and storage.peers == []
+    slots = host.alloc(2 * PAGE)
+    host.kv_buffer.copy_(torch.randn(host.kv_buffer.shape))  # every slot distinct
+    keys = ["k" * 64, "e" * 64]
+    info = HiCacheStorageExtraInfo(prefix_keys=[])
+    assert storage.batch_set_v1(keys, slots, info) == [True, True]
+    back = host.alloc(2 * PAGE)
+    assert not torch.equal(host.get_data_page(int(back[0])), host.get_data_page(int(slots[0])))
+    assert storage.batch_exists(keys, info) == 2
+    assert storage.batch_get_v1(keys, back, info) == [True, True]
+    assert torch.equal(host.get_data_page(int(back[PAGE])), host.get_data_page(int(slots[PAGE])))
