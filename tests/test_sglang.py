@@ -114,6 +114,14 @@ def assert_logits_over_pool(target, served, prompt):
     torch.testing.assert_close(served.logits, want)
 
 
+def assert_swap(target, served, sender, sent, mapper, prompt, start, end):
+    """Tokens [start, end) of ``served`` are the translation of what ``sender`` stored for
+    ``sent`` at their true positions, and the target's logits over its pool are right."""
+    source_kv = sender.pool_kv(sent.slots)
+    assert_translation_at_true_positions(target, served, source_kv, mapper, start, end)
+    assert_logits_over_pool(target, served, prompt)
+
+
 def test_a_fresh_target_translates_the_whole_prefix(cluster):
     """(a) The receiving engine never saw the session: every full page the sender stored is
     translated, the first page (attention sinks) included, the partial page is computed."""
@@ -123,9 +131,7 @@ def test_a_fresh_target_translates_the_whole_prefix(cluster):
     served = b.serve(prompt)
     assert served.reused == 5 * PAGE
     assert b.storage.counters["translated_pages"] == 5
-    source_kv = a.pool_kv(sent.slots)
-    assert_translation_at_true_positions(b, served, source_kv, cluster.mapper(0, 1), 0, 5 * PAGE)
-    assert_logits_over_pool(b, served, prompt)
+    assert_swap(b, served, a, sent, cluster.mapper(0, 1), prompt, 0, 5 * PAGE)
 
 
 def test_pages_after_a_cached_first_page_land_at_their_true_positions(cluster):
@@ -139,10 +145,7 @@ def test_pages_after_a_cached_first_page_land_at_their_true_positions(cluster):
     served = b.serve(prompt)
     assert served.reused == 4 * PAGE
     assert b.storage.counters["translated_pages"] == 3
-    source_kv = a.pool_kv(sent.slots)
-    mapper = cluster.mapper(0, 1)
-    assert_translation_at_true_positions(b, served, source_kv, mapper, PAGE, 4 * PAGE)
-    assert_logits_over_pool(b, served, prompt)
+    assert_swap(b, served, a, sent, cluster.mapper(0, 1), prompt, PAGE, 4 * PAGE)
 
 
 def test_a_target_that_served_the_first_turns_translates_only_the_rest(cluster):
@@ -157,10 +160,7 @@ def test_a_target_that_served_the_first_turns_translates_only_the_rest(cluster):
     served = b.serve(turn3)
     assert served.reused == 6 * PAGE
     assert b.storage.counters["translated_pages"] == 3
-    source_kv = a.pool_kv(sent.slots)
-    mapper = cluster.mapper(0, 1)
-    assert_translation_at_true_positions(b, served, source_kv, mapper, 3 * PAGE, 6 * PAGE)
-    assert_logits_over_pool(b, served, turn3)
+    assert_swap(b, served, a, sent, cluster.mapper(0, 1), turn3, 3 * PAGE, 6 * PAGE)
 
 
 def test_alternating_turns_translate_only_what_each_engine_lacks(cluster):
@@ -203,11 +203,7 @@ def test_sessions_sharing_a_system_prompt_translate_it_once(cluster):
     served = b.serve(two)
     assert served.reused == 5 * PAGE
     assert b.storage.counters["translated_pages"] == 4 + 3
-    mapper = cluster.mapper(0, 1)
-    assert_translation_at_true_positions(
-        b, served, a.pool_kv(sent.slots), mapper, 2 * PAGE, 5 * PAGE
-    )
-    assert_logits_over_pool(b, served, two)
+    assert_swap(b, served, a, sent, cluster.mapper(0, 1), two, 2 * PAGE, 5 * PAGE)
 
 
 def test_a_prefix_ending_mid_page_translates_its_full_pages(cluster):
@@ -219,10 +215,7 @@ def test_a_prefix_ending_mid_page_translates_its_full_pages(cluster):
     sent = a.serve(first)
     served = b.serve(prompt)
     assert served.reused == 3 * PAGE
-    assert_translation_at_true_positions(
-        b, served, a.pool_kv(sent.slots), cluster.mapper(0, 1), 0, 3 * PAGE
-    )
-    assert_logits_over_pool(b, served, prompt)
+    assert_swap(b, served, a, sent, cluster.mapper(0, 1), prompt, 0, 3 * PAGE)
 
 
 def exact_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
@@ -531,10 +524,7 @@ def test_a_tail_of_pages_is_left_for_the_target_to_compute(cluster):
     sent = a.serve(prompt)
     served = b.serve(prompt)
     assert served.reused == 3 * PAGE and b.storage.counters["translated_pages"] == 3
-    assert_translation_at_true_positions(
-        b, served, a.pool_kv(sent.slots), cluster.mapper(0, 1), 0, 3 * PAGE
-    )
-    assert_logits_over_pool(b, served, prompt)
+    assert_swap(b, served, a, sent, cluster.mapper(0, 1), prompt, 0, 3 * PAGE)
 
 
 def test_an_unknown_host_layout_starts_the_engine_without_translation(cluster):
