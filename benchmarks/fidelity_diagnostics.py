@@ -61,7 +61,8 @@ from fidelity import (
 )
 from tqdm.auto import tqdm
 
-from sgl_kvmap.capture import KVCache, load_model, recompute_tokens, run
+from sgl_kvmap.cache import KVCache
+from sgl_kvmap.capture import load_model, recompute_tokens, run
 from sgl_kvmap.default_pair import LARGE, SMALL, ensure_model
 from sgl_kvmap.evaluate import EvalRuns, continuation_scores
 from sgl_kvmap.mapper import KVMapper

@@ -169,7 +169,7 @@ def scattered_pool(spec, tokens: int, device: str, seed: int) -> tuple[PagedKV, 
 
 def products_floor(mapper, source, positions, device):
     """The map's matrix products alone, on content features already on the device."""
-    from sgl_kvmap.capture import KVCache
+    from sgl_kvmap.cache import KVCache
 
     cache = KVCache(
         [source[0, :, layer].to(device) for layer in range(mapper.source.num_layers)],

@@ -5,10 +5,10 @@ and translate one model's KV cache into the other's so a prefix survives a model
 Importing this package needs neither sglang, triton nor a GPU.
 """
 
-__version__ = "0.1.0"
-
+from ._version import __version__ as __version__
+from .cache import KVCache
 from .calibrate import CalibrationConfig, FitReport, fit_mapper
-from .capture import KVCache, LoadedModel, capture_kv, load_model
+from .capture import LoadedModel, capture_kv, load_model
 from .errors import KVMapError, PackError, PairMismatchError
 from .evaluate import EvalReport, evaluate
 from .mapper import KVMapper

@@ -21,7 +21,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from .capture import KVCache, LoadedModel, load_model, run
+from .cache import KVCache
+from .capture import LoadedModel, load_model, run
 from .errors import KVMapError
 from .fit import (
     KINDS,
@@ -38,8 +39,8 @@ from .fit import (
     top_k_selection,
 )
 from .mapper import KVMapper
-from .rope import tables_for_spec, unrope
-from .spec import ModelSpec, check_pair
+from .rope import unrope
+from .spec import ModelSpec, check_pair, tables_for_spec
 from .stats import Moments, moments_from_tensors, moments_to_tensors
 from .texts import calibration_windows, expand_paths, shuffled, stdlib_files
 from .token_weights import attention_received, token_weights

@@ -1,7 +1,6 @@
 """Run Hugging Face causal LMs and read their KV caches (the only module that runs models).
 
-Layout convention used across sgl-kvmap: one sequence, token-major, per layer
-``keys[l], values[l]: [tokens, kv_heads, head_dim]``, keys post-RoPE (as engines cache them).
+Caches go in and out as ``cache.KVCache`` (token-major, keys post-RoPE).
 """
 
 from __future__ import annotations
@@ -13,52 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .cache import KVCache
 from .spec import ModelSpec, spec_from_config
 
 _CAPTURE_ATTENTION = "sgl_kvmap_capture"
 _capture_state = threading.local()
-
-
-@dataclass
-class KVCache:
-    """One sequence's KV cache.
-
-    keys/values: L x [tokens, kv_heads, head_dim] (keys post-RoPE); positions: [tokens].
-    """
-
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    positions: torch.Tensor
-
-    def __len__(self) -> int:
-        return self.positions.numel()
-
-    def slice(self, start: int, end: int | None = None) -> KVCache:
-        """Tokens [start, end) of every layer."""
-        return KVCache(
-            [k[start:end] for k in self.keys],
-            [v[start:end] for v in self.values],
-            self.positions[start:end],
-        )
-
-    def replace_front(self, front: KVCache) -> KVCache:
-        """This cache with its first len(front) tokens taken from ``front`` (same positions)."""
-        n = len(front)
-        return KVCache(
-            [torch.cat((f, k[n:])) for f, k in zip(front.keys, self.keys)],
-            [torch.cat((f, v[n:])) for f, v in zip(front.values, self.values)],
-            self.positions,
-        )
-
-    def to_hf(self):
-        """As a transformers DynamicCache (batch of one)."""
-        from transformers import DynamicCache
-
-        pairs = [
-            (k.transpose(0, 1)[None], v.transpose(0, 1)[None])
-            for k, v in zip(self.keys, self.values)
-        ]
-        return DynamicCache(ddp_cache_data=pairs)
 
 
 @dataclass
@@ -244,7 +202,7 @@ def forward_scattered(
             attention_mask=mask[None, None],
             use_cache=True,
             logits_to_keep=max(logits_to_keep, 1),
-            **{_cache_argument(model): cache.to_hf()},
+            **{_cache_argument(model): _to_hf(cache)},
         )
     fresh = _from_hf(getattr(out, "cache", None) or out.past_key_values)
     keys = [_scatter_rows(k, total, positions, end) for k in fresh.keys]
@@ -288,7 +246,7 @@ def _forward(model, ids: torch.Tensor, past: KVCache | None, keep: int, want_que
         use_cache=True,
         logits_to_keep=max(keep, 1),
     )
-    kwargs[_cache_argument(model)] = past.to_hf() if past is not None else None
+    kwargs[_cache_argument(model)] = _to_hf(past) if past is not None else None
     if not want_queries:
         return model(**kwargs), None
     with _recording_queries(model) as recorded:
@@ -299,6 +257,17 @@ def _forward(model, ids: torch.Tensor, past: KVCache | None, keep: int, want_que
 def _cache_argument(model) -> str:
     """transformers renamed ``past_key_values`` to ``cache``; use whichever this version takes."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _to_hf(cache: KVCache):
+    """``cache`` as a transformers DynamicCache (batch of one)."""
+    from transformers import DynamicCache
+
+    pairs = [
+        (k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+        for k, v in zip(cache.keys, cache.values)
+    ]
+    return DynamicCache(ddp_cache_data=pairs)
 
 
 def _from_hf(hf_cache) -> KVCache:

@@ -17,10 +17,11 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .capture import KVCache, LoadedModel, run
+from .cache import KVCache
+from .capture import LoadedModel, run
 from .mapper import KVMapper
-from .pack import check_models
-from .rope import tables_for_spec, unrope
+from .rope import unrope
+from .spec import check_models, tables_for_spec
 from .transfer import Repair, draft_anchors, handoff_split, translate_prefix
 
 INTERVAL_LEVEL = 0.9  # of the ratios' bootstrap intervals over windows

@@ -9,12 +9,13 @@ from typing import Any
 
 import torch
 
-from .capture import KVCache
+from .cache import KVCache
 from .errors import KVMapError
 from .fit import KINDS, LayerMap
+from .pack import load_pack, save_pack
 from .residual import Residual, hidden_activations
-from .rope import rope, tables_for_spec, unrope
-from .spec import ModelSpec
+from .rope import rope, unrope
+from .spec import ModelSpec, tables_for_spec
 
 
 def default_matmul_dtype(cache_dtype: torch.dtype) -> torch.dtype:
@@ -276,13 +277,9 @@ class KVMapper:
 
     def save_pretrained(self, folder: str | Path) -> Path:
         """Write the pack folder (mapper.safetensors + kvmap.json + README.md) atomically."""
-        from .pack import save_pack
-
         return save_pack(self, Path(folder))
 
     @classmethod
     def from_pretrained(cls, folder: str | Path) -> KVMapper:
         """Load and validate a pack folder; raises PackError for a wrong or damaged pack."""
-        from .pack import load_pack
-
-        return load_pack(Path(folder))
+        return load_pack(Path(folder), cls)

@@ -26,7 +26,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, save_file
 
-from .errors import KVMapError, PackError, PairMismatchError
+from ._version import __version__
+from .errors import KVMapError, PackError
 from .files import replacing_folder, sha256_bytes, sha256_file
 from .fit import KINDS, LayerMap
 from .residual import Residual
@@ -51,10 +52,9 @@ def save_pack(mapper, folder: Path) -> Path:
     return folder
 
 
-def load_pack(folder: Path):
-    """Read and validate a pack folder. Raises PackError for anything wrong or damaged."""
-    from .mapper import KVMapper
-
+def load_pack(folder: Path, mapper_class):
+    """Read and validate a pack folder into a ``mapper_class`` (KVMapper, which calls this from
+    ``from_pretrained``). Raises PackError for anything wrong or damaged."""
     folder = Path(folder)
     config = read_config(folder)
     tensors_path = folder / TENSORS_FILE
@@ -86,7 +86,7 @@ def load_pack(folder: Path):
             if config.get("residual_hidden") is not None
             else None
         )
-        mapper = KVMapper(
+        mapper = mapper_class(
             source=source, target=target, selection=selection, maps=maps,
             ridge=float(config["ridge"]), sink_tokens=int(config["sink_tokens"]),
             info={k: config.get(k, {}) for k in ("calibration", "metrics")},
@@ -125,20 +125,6 @@ def read_config(folder: Path) -> dict[str, Any]:
             "the pack."
         )
     return config
-
-
-def check_models(mapper, source: ModelSpec, target: ModelSpec) -> None:
-    """Refuse to use ``mapper`` with models other than the ones it was fitted for."""
-    for role, fitted, given in (
-        ("source", mapper.source, source),
-        ("target", mapper.target, target),
-    ):
-        if fitted.fingerprint != given.fingerprint:
-            diff = _spec_difference(fitted, given)
-            raise PairMismatchError(
-                f"this pack's {role} is {fitted.model_id} but {given.model_id} was given ({diff}); "
-                "fit a pack for this pair with `sgl-kvmap fit`."
-            )
 
 
 def model_card(config: dict[str, Any]) -> str:
@@ -207,8 +193,6 @@ def _tensors(mapper) -> dict[str, torch.Tensor]:
 
 
 def _config(mapper, tensors_sha256: str) -> dict[str, Any]:
-    from . import __version__
-
     return {
         "format": FORMAT_NAME,
         "format_version": _format_version(mapper),
@@ -266,14 +250,6 @@ def _finite(tensor: torch.Tensor, name: str) -> torch.Tensor:
     if tensor.dtype != torch.float32 or not tensor.isfinite().all():
         raise PackError(f"{name} is not finite float32")
     return tensor
-
-
-def _spec_difference(a: ModelSpec, b: ModelSpec) -> str:
-    da, db = a.to_dict(), b.to_dict()
-    fields = [k for k in da if k not in ("model_id", "revision", "config") and da[k] != db[k]]
-    if fields:
-        return ", ".join(f"{k}: {da[k]!r} vs {db[k]!r}" for k in fields)
-    return "their configs differ"
 
 
 def _rank(config: dict[str, Any]) -> str:

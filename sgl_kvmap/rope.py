@@ -53,17 +53,6 @@ def rotary_tables(module: torch.nn.Module, positions: torch.Tensor) -> RotaryTab
     return RotaryTables(_one_per_pair(cos, n_pairs), _one_per_pair(sin, n_pairs))
 
 
-_MODULES: dict[str, torch.nn.Module] = {}  # spec fingerprint -> its rotary module
-
-
-def tables_for_spec(spec, positions: torch.Tensor) -> RotaryTables:
-    """Rotary tables of the model described by a ModelSpec at ``positions: [tokens]``."""
-    if spec.fingerprint not in _MODULES:
-        _MODULES[spec.fingerprint] = rotary_module(spec.hf_config())
-    cos, sin = rotary_tables(_MODULES[spec.fingerprint], positions.to("cpu"))
-    return RotaryTables(cos.to(positions.device), sin.to(positions.device))
-
-
 def rope(x: torch.Tensor, tables: RotaryTables, style: str) -> torch.Tensor:
     """Apply RoPE. ``x: [tokens, heads, head_dim]`` content-space -> post-RoPE, same shape/dtype."""
     a, b, rest = _split_pairs(x.float(), tables.cos.shape[-1], style)

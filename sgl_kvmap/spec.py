@@ -13,7 +13,10 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+
 from .errors import KVMapError, PairMismatchError
+from .rope import RotaryTables, rotary_module, rotary_tables
 
 ROPE_STYLES = ("half", "interleaved")
 # Models whose apply_rotary_pos_emb pairs dimensions (2i, 2i+1) instead of (i, i + r/2).
@@ -87,8 +90,6 @@ def spec_from_pretrained(path: str, revision: str | None = None) -> ModelSpec:
 
 def spec_from_config(config, tokenizer, model_id: str, revision: str | None = None) -> ModelSpec:
     """Build a spec from a transformers config and tokenizer (weights are never touched)."""
-    from .rope import rotary_module
-
     text_config = config.get_text_config(decoder=True)
     _check_full_attention(text_config, model_id)
     heads = text_config.num_attention_heads
@@ -127,6 +128,32 @@ def check_pair(source: ModelSpec, target: ModelSpec) -> None:
         )
 
 
+def check_models(mapper, source: ModelSpec, target: ModelSpec) -> None:
+    """Refuse to use ``mapper`` (a KVMapper: its ``source`` and ``target`` specs) with models
+    other than the ones it was fitted for."""
+    for role, fitted, given in (
+        ("source", mapper.source, source),
+        ("target", mapper.target, target),
+    ):
+        if fitted.fingerprint != given.fingerprint:
+            diff = _spec_difference(fitted, given)
+            raise PairMismatchError(
+                f"this pack's {role} is {fitted.model_id} but {given.model_id} was given ({diff}); "
+                "fit a pack for this pair with `sgl-kvmap fit`."
+            )
+
+
+_MODULES: dict[str, torch.nn.Module] = {}  # spec fingerprint -> its rotary module
+
+
+def tables_for_spec(spec: ModelSpec, positions: torch.Tensor) -> RotaryTables:
+    """Rotary tables of the model described by a ModelSpec at ``positions: [tokens]``."""
+    if spec.fingerprint not in _MODULES:
+        _MODULES[spec.fingerprint] = rotary_module(spec.hf_config())
+    cos, sin = rotary_tables(_MODULES[spec.fingerprint], positions.to("cpu"))
+    return RotaryTables(cos.to(positions.device), sin.to(positions.device))
+
+
 def _check_full_attention(config, model_id: str) -> None:
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
     sliding = getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", 0)
@@ -138,7 +165,6 @@ def _check_full_attention(config, model_id: str) -> None:
 
 
 def _has_qk_norm(config) -> bool:
-    import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -156,3 +182,11 @@ def _cache_relevant_config(config: dict[str, Any]) -> dict[str, Any]:
 def _sha256_json(obj: Any) -> str:
     text = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _spec_difference(a: ModelSpec, b: ModelSpec) -> str:
+    da, db = a.to_dict(), b.to_dict()
+    fields = [k for k in da if k not in ("model_id", "revision", "config") and da[k] != db[k]]
+    if fields:
+        return ", ".join(f"{k}: {da[k]!r} vs {db[k]!r}" for k in fields)
+    return "their configs differ"

@@ -32,13 +32,14 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from .cache import KVCache
 from .calibrate import calibration_files
-from .capture import KVCache, LoadedModel, capture_kv, logits_over, run
+from .capture import LoadedModel, capture_kv, logits_over, run
 from .errors import KVMapError
 from .fit import KINDS, LayerMap
 from .mapper import KVMapper
-from .pack import check_models
 from .residual import initial_residual, output_rates
+from .spec import check_models
 from .texts import calibration_windows, code_corpus_files
 from .transfer import handoff_split, mapped_prefix
 

@@ -5,15 +5,17 @@ from dataclasses import replace
 import pytest
 import torch
 
+from sgl_kvmap.cache import KVCache
 from sgl_kvmap.calibrate import (
     CalibrationConfig,
     PairStatistics,
     content_features,
     fit_from_statistics,
 )
-from sgl_kvmap.capture import KVCache, capture_kv
+from sgl_kvmap.capture import capture_kv
 from sgl_kvmap.errors import KVMapError
-from sgl_kvmap.rope import rope, tables_for_spec, unrope
+from sgl_kvmap.rope import rope, unrope
+from sgl_kvmap.spec import tables_for_spec
 
 from .conftest import tiny_model
 

@@ -13,6 +13,7 @@ from sgl_kvmap.calibrate import (
 from sgl_kvmap.capture import capture_kv
 from sgl_kvmap.errors import PackError, PairMismatchError
 from sgl_kvmap.mapper import KVMapper
+from sgl_kvmap.spec import check_models
 
 from .conftest import tiny_model
 
@@ -138,9 +139,9 @@ def test_a_failed_save_leaves_the_old_pack_and_no_debris(mapper, saved, monkeypa
 
 def test_pack_refuses_other_models(mapper, tiny_pair):
     other = tiny_model("qwen2", seed=3, layers=5)
-    pack.check_models(mapper, *(m.spec for m in tiny_pair))
+    check_models(mapper, *(m.spec for m in tiny_pair))
     with pytest.raises(PairMismatchError, match="num_layers: 4 vs 5"):
-        pack.check_models(mapper, tiny_pair[0].spec, other.spec)
+        check_models(mapper, tiny_pair[0].spec, other.spec)
 
 
 @pytest.mark.parametrize("change", ["truncated in place", "overwritten", "deleted"])
@@ -154,7 +155,7 @@ def test_a_loaded_pack_no_longer_depends_on_its_file(mapper, saved, change):
 
     script = f"""
 import os, torch
-from sgl_kvmap.capture import KVCache
+from sgl_kvmap.cache import KVCache
 from sgl_kvmap.mapper import KVMapper
 m = KVMapper.from_pretrained({str(saved)!r})
 g, s = torch.Generator().manual_seed(0), m.source

@@ -15,7 +15,7 @@ from sgl_kvmap.calibrate import calibration_token_windows, collect_statistics, f
 from sgl_kvmap.capture import run
 from sgl_kvmap.default_pair import LARGE, SMALL, ensure_model
 from sgl_kvmap.evaluate import EvalRuns
-from sgl_kvmap.pack import check_models
+from sgl_kvmap.spec import check_models
 from sgl_kvmap.texts import default_eval_files, eval_windows, stdlib_files
 from sgl_kvmap.tune import TuneConfig, tune_mapper
 

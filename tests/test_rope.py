@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from sgl_kvmap.capture import run
-from sgl_kvmap.rope import RotaryTables, rope, tables_for_spec, unrope
+from sgl_kvmap.rope import RotaryTables, rope, unrope
+from sgl_kvmap.spec import tables_for_spec
 
 from .conftest import tiny_model
 

@@ -15,7 +15,8 @@ import os
 import pytest
 import torch
 
-from sgl_kvmap.capture import KVCache, load_model, run
+from sgl_kvmap.cache import KVCache
+from sgl_kvmap.capture import load_model, run
 from sgl_kvmap.kernels import fast_matmul_dtype
 from sgl_kvmap.mapper import KVMapper
 from sgl_kvmap.sglang import PeerSettings, StorageSettings

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capture import KVCache
+from ..cache import KVCache
 from ..errors import KVMapError
 from ..mapper import KVMapper
 

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ..errors import KVMapError
 from ..mapper import default_matmul_dtype
-from ..rope import tables_for_spec
+from ..spec import tables_for_spec
 
 TOKENS_PER_PROGRAM = 16
 _TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}

@@ -40,8 +40,7 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 from ..errors import KVMapError, PackError, PairMismatchError
 from ..mapper import KVMapper
-from ..pack import check_models
-from ..spec import ModelSpec, check_pair, spec_from_pretrained
+from ..spec import ModelSpec, check_models, check_pair, spec_from_pretrained
 from .heads import rank_heads, ranks_covering_heads
 from .pages import PageFormat
 from .records import PageRecord, empty_record, page_crc32
