@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from sgl_kvmap.evaluate import CONDITIONS, INTERVAL_LEVEL, paired_difference, window_scores
+from sgl_kvmap.fitting.evaluate import CONDITIONS, INTERVAL_LEVEL, paired_difference, window_scores
 
 
 def load_run(path: Path) -> dict:

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import click
 
-from sgl_kvmap.calibrate import (
+from sgl_kvmap.core.errors import KVMapError
+from sgl_kvmap.fitting.calibrate import (
     CalibrationConfig,
     CalibrationState,
     calibration_token_windows,
@@ -36,11 +37,9 @@ from sgl_kvmap.calibrate import (
     save_state,
     text_description,
 )
-from sgl_kvmap.capture import load_model
-from sgl_kvmap.default_pair import LARGE, SMALL, cache_root, ensure_model
-from sgl_kvmap.errors import KVMapError
-from sgl_kvmap.evaluate import EvalRuns, bootstrap_interval, evaluate, window_scores
-from sgl_kvmap.texts import (
+from sgl_kvmap.fitting.default_pair import LARGE, SMALL, cache_root, ensure_model
+from sgl_kvmap.fitting.evaluate import EvalRuns, bootstrap_interval, evaluate, window_scores
+from sgl_kvmap.fitting.texts import (
     code_corpus_files,
     default_eval_files,
     dependency_files,
@@ -49,9 +48,10 @@ from sgl_kvmap.texts import (
     stdlib_docs_files,
     stdlib_files,
 )
-from sgl_kvmap.timing import measure_speed
-from sgl_kvmap.transfer import Repair
-from sgl_kvmap.tune import TuneConfig, tune_mapper
+from sgl_kvmap.fitting.tune import TuneConfig, tune_mapper
+from sgl_kvmap.models.capture import load_model
+from sgl_kvmap.models.timing import measure_speed
+from sgl_kvmap.models.transfer import Repair
 
 RESULTS = Path(__file__).parent / "results"
 BASE = CalibrationConfig(tokens=16384)

@@ -61,14 +61,14 @@ from fidelity import (
 )
 from tqdm.auto import tqdm
 
-from sgl_kvmap.cache import KVCache
-from sgl_kvmap.capture import load_model, recompute_tokens, run
-from sgl_kvmap.default_pair import LARGE, SMALL, ensure_model
-from sgl_kvmap.evaluate import EvalRuns, continuation_scores
-from sgl_kvmap.mapper import KVMapper
-from sgl_kvmap.texts import default_eval_files, eval_windows
-from sgl_kvmap.token_weights import attention_paid
-from sgl_kvmap.transfer import (
+from sgl_kvmap.core.cache import KVCache
+from sgl_kvmap.core.mapper import KVMapper
+from sgl_kvmap.core.token_weights import attention_paid
+from sgl_kvmap.fitting.default_pair import LARGE, SMALL, ensure_model
+from sgl_kvmap.fitting.evaluate import EvalRuns, continuation_scores
+from sgl_kvmap.fitting.texts import default_eval_files, eval_windows
+from sgl_kvmap.models.capture import load_model, recompute_tokens, run
+from sgl_kvmap.models.transfer import (
     Repair,
     draft_anchors,
     draft_attention,

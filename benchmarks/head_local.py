@@ -28,11 +28,7 @@ import click
 import torch
 from fidelity import CAL_128K, DIRECTIONS, statistics_for
 
-from sgl_kvmap.calibrate import fit_from_statistics
-from sgl_kvmap.capture import load_model
-from sgl_kvmap.default_pair import LARGE, SMALL, ensure_model
-from sgl_kvmap.evaluate import EvalRuns, evaluate
-from sgl_kvmap.fit import (
+from sgl_kvmap.core.fit import (
     KINDS,
     Geometry,
     LayerMap,
@@ -42,8 +38,12 @@ from sgl_kvmap.fit import (
     probe_scores,
     top_k_selection,
 )
-from sgl_kvmap.spec import spec_from_pretrained
-from sgl_kvmap.texts import default_eval_files, eval_sources
+from sgl_kvmap.core.spec import spec_from_pretrained
+from sgl_kvmap.fitting.calibrate import fit_from_statistics
+from sgl_kvmap.fitting.default_pair import LARGE, SMALL, ensure_model
+from sgl_kvmap.fitting.evaluate import EvalRuns, evaluate
+from sgl_kvmap.fitting.texts import default_eval_files, eval_sources
+from sgl_kvmap.models.capture import load_model
 
 RESULTS = Path(__file__).parent / "results"
 

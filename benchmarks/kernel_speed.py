@@ -39,12 +39,12 @@ from pathlib import Path
 import click
 import torch
 
-from sgl_kvmap.capture import first_layer_kv, forward_scattered, run
-from sgl_kvmap.fit import KINDS, LayerMap
+from sgl_kvmap.core.fit import KINDS, LayerMap
+from sgl_kvmap.core.mapper import KVMapper
+from sgl_kvmap.core.spec import spec_from_config
 from sgl_kvmap.kernels import PagedKV, translate_pages
-from sgl_kvmap.mapper import KVMapper
-from sgl_kvmap.spec import spec_from_config
-from sgl_kvmap.transfer import draft_attention, handoff_positions, handoff_split
+from sgl_kvmap.models.capture import first_layer_kv, forward_scattered, run
+from sgl_kvmap.models.transfer import draft_attention, handoff_positions, handoff_split
 
 CONFIGS = Path(__file__).parent / "configs"
 RESULTS = Path(__file__).parent / "results"

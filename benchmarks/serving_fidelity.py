@@ -38,12 +38,12 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sgl_kvmap import KVMapper, load_model, translate_prefix  # noqa: E402
-from sgl_kvmap.capture import run  # noqa: E402
-from sgl_kvmap.default_pair import LARGE, SMALL, ensure_model  # noqa: E402
-from sgl_kvmap.evaluate import bootstrap_interval, paired_difference  # noqa: E402
+from sgl_kvmap.fitting.default_pair import LARGE, SMALL, ensure_model  # noqa: E402
+from sgl_kvmap.fitting.evaluate import bootstrap_interval, paired_difference  # noqa: E402
+from sgl_kvmap.fitting.texts import default_eval_files, eval_windows  # noqa: E402
+from sgl_kvmap.models.capture import run  # noqa: E402
 from sgl_kvmap.sglang import PeerSettings, StorageSettings  # noqa: E402
 from sgl_kvmap.sglang.launch import sglang_extra_config  # noqa: E402
-from sgl_kvmap.texts import default_eval_files, eval_windows  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 SERVED = {"served (a)": {}, "served (b)": {}, "served (a) + tail": {"tail_pages": 1}}

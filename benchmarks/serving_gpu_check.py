@@ -32,10 +32,10 @@ import click
 import torch
 from kernel_speed import PAIR, _SharedVocab, pair_config, random_mapper, timed
 
+from sgl_kvmap.core.spec import spec_from_config
 from sgl_kvmap.kernels import PagedKV, translate_pages
 from sgl_kvmap.sglang.pages import PageFormat
 from sgl_kvmap.sglang.translation import translate_tokens
-from sgl_kvmap.spec import spec_from_config
 
 RESULTS = Path(__file__).parent / "results"
 PAGE = 64
@@ -169,7 +169,7 @@ def scattered_pool(spec, tokens: int, device: str, seed: int) -> tuple[PagedKV, 
 
 def products_floor(mapper, source, positions, device):
     """The map's matrix products alone, on content features already on the device."""
-    from sgl_kvmap.cache import KVCache
+    from sgl_kvmap.core.cache import KVCache
 
     cache = KVCache(
         [source[0, :, layer].to(device) for layer in range(mapper.source.num_layers)],

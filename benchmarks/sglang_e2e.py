@@ -21,8 +21,8 @@ from pathlib import Path
 
 import click
 
+from sgl_kvmap.fitting.texts import default_eval_files
 from sgl_kvmap.sglang.launch import EngineSpec, engine_commands, shell_line
-from sgl_kvmap.texts import default_eval_files
 
 RESULTS = Path(__file__).parent / "results"
 

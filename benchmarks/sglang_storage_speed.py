@@ -28,13 +28,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sgl_kvmap import KVMapper, load_model  # noqa: E402
-from sgl_kvmap.capture import run  # noqa: E402
-from sgl_kvmap.default_pair import LARGE, SMALL, ensure_model  # noqa: E402
+from sgl_kvmap.fitting.default_pair import LARGE, SMALL, ensure_model  # noqa: E402
+from sgl_kvmap.fitting.texts import prompt_of_length  # noqa: E402
 from sgl_kvmap.kernels import fast_matmul_dtype  # noqa: E402
+from sgl_kvmap.models.capture import run  # noqa: E402
 from sgl_kvmap.sglang import PeerSettings, StorageSettings  # noqa: E402
 from sgl_kvmap.sglang.launch import measured_deadline, sglang_extra_config  # noqa: E402
 from sgl_kvmap.sglang.translation import translation_seconds  # noqa: E402
-from sgl_kvmap.texts import prompt_of_length  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 

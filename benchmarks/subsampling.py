@@ -27,7 +27,7 @@ from pathlib import Path
 import click
 from tqdm.auto import tqdm
 
-from sgl_kvmap.calibrate import (
+from sgl_kvmap.fitting.calibrate import (
     CalibrationConfig,
     PairStatistics,
     calibration_token_windows,
@@ -35,8 +35,8 @@ from sgl_kvmap.calibrate import (
     fit_from_statistics,
     text_description,
 )
-from sgl_kvmap.capture import load_model, run
-from sgl_kvmap.default_pair import LARGE, SMALL, ensure_model
+from sgl_kvmap.fitting.default_pair import LARGE, SMALL, ensure_model
+from sgl_kvmap.models.capture import load_model, run
 
 RESULTS = Path(__file__).parent / "results"
 

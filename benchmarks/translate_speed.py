@@ -24,8 +24,8 @@ import torch
 from fidelity import RepairType
 
 from sgl_kvmap import KVMapper, load_model
-from sgl_kvmap.texts import prompt_of_length
-from sgl_kvmap.timing import measure_speed
+from sgl_kvmap.fitting.texts import prompt_of_length
+from sgl_kvmap.models.timing import measure_speed
 
 RESULTS = Path(__file__).parent / "results"
 

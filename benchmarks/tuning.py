@@ -26,10 +26,10 @@ from pathlib import Path
 
 import click
 
-from sgl_kvmap.capture import load_model
-from sgl_kvmap.evaluate import EvalRuns
-from sgl_kvmap.mapper import KVMapper
-from sgl_kvmap.tune import OBJECTIVES, TuneConfig, tune_mapper, tuning_windows
+from sgl_kvmap.core.mapper import KVMapper
+from sgl_kvmap.fitting.evaluate import EvalRuns
+from sgl_kvmap.fitting.tune import OBJECTIVES, TuneConfig, tune_mapper, tuning_windows
+from sgl_kvmap.models.capture import load_model
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -6,15 +6,15 @@ Importing this package needs neither sglang, triton nor a GPU.
 """
 
 from ._version import __version__ as __version__
-from .cache import KVCache
-from .calibrate import CalibrationConfig, FitReport, fit_mapper
-from .capture import LoadedModel, capture_kv, load_model
-from .errors import KVMapError, PackError, PairMismatchError
-from .evaluate import EvalReport, evaluate
-from .mapper import KVMapper
-from .spec import ModelSpec, spec_from_pretrained
-from .transfer import Repair, handoff, translate_prefix
-from .tune import TuneConfig, TuneReport, tune_mapper
+from .core.cache import KVCache
+from .core.errors import KVMapError, PackError, PairMismatchError
+from .core.mapper import KVMapper
+from .core.spec import ModelSpec, spec_from_pretrained
+from .fitting.calibrate import CalibrationConfig, FitReport, fit_mapper
+from .fitting.evaluate import EvalReport, evaluate
+from .fitting.tune import TuneConfig, TuneReport, tune_mapper
+from .models.capture import LoadedModel, capture_kv, load_model
+from .models.transfer import Repair, handoff, translate_prefix
 
 __all__ = [
     "CalibrationConfig",

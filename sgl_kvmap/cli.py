@@ -9,9 +9,9 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from .calibrate import AUTO_K, CalibrationConfig
-from .transfer import Repair
-from .tune import FAMILY_RATES, OBJECTIVES, TuneConfig
+from .fitting.calibrate import AUTO_K, CalibrationConfig
+from .fitting.tune import FAMILY_RATES, OBJECTIVES, TuneConfig
+from .models.transfer import Repair
 
 PACK_TOKENS = 131072  # `fit` builds packs to publish: the calibration budget that won on the pair
 PACK_RANK = "auto"  # reduced-rank maps beat k-layer maps at that budget (docs/LOG.md)
@@ -208,8 +208,8 @@ def fit(
     tune_objective,
 ) -> None:
     """Fit a SOURCE -> TARGET mapper (anything transformers loads) and save it as a pack."""
-    from .calibrate import fit_mapper
-    from .capture import load_model
+    from .fitting.calibrate import fit_mapper
+    from .models.capture import load_model
 
     rank = _rank_or_top_k(ctx, _rank(rank))
 
@@ -229,7 +229,7 @@ def fit(
     ((mapper, report),) = fit_mapper(*models, texts, config)
     summary = report.summary()
     if tune_steps:
-        from .tune import tune_mapper
+        from .fitting.tune import tune_mapper
 
         config = TuneConfig(steps=tune_steps, lr=tune_lr, objective=tune_objective)
         mapper, tuning = tune_mapper(mapper, *models, texts, config)
@@ -308,9 +308,9 @@ def tune(
     calibration windows score it every --eval-every steps and the best weights, the fitted ones
     included, are kept.
     """
-    from .capture import load_model
-    from .mapper import KVMapper
-    from .tune import tune_mapper
+    from .core.mapper import KVMapper
+    from .fitting.tune import tune_mapper
+    from .models.capture import load_model
 
     mapper = KVMapper.from_pretrained(pack)
     source = load_model(source_path or mapper.source.model_id)
@@ -384,11 +384,11 @@ def eval_(
     draft, sweeps, speed_tokens, as_json,
 ) -> None:  # fmt: skip
     """Measure a pack's fidelity on held-out text, beside target, source and no-prefix baselines."""
-    from .capture import load_model
-    from .evaluate import evaluate
-    from .mapper import KVMapper
-    from .texts import default_eval_files, eval_windows, expand_paths, prompt_of_length
-    from .timing import measure_speed
+    from .core.mapper import KVMapper
+    from .fitting.evaluate import evaluate
+    from .fitting.texts import default_eval_files, eval_windows, expand_paths, prompt_of_length
+    from .models.capture import load_model
+    from .models.timing import measure_speed
 
     repair = Repair(anchors, draft, sweeps) if anchors else None
     mapper = KVMapper.from_pretrained(pack)
@@ -416,7 +416,7 @@ def eval_(
 @click.argument("pack", type=click.Path(exists=True, file_okay=False))
 def inspect(pack) -> None:
     """Validate a pack and print what it maps and what was measured."""
-    from .mapper import KVMapper
+    from .core.mapper import KVMapper
 
     mapper = KVMapper.from_pretrained(pack)
     s, t = mapper.source, mapper.target

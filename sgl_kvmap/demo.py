@@ -13,14 +13,14 @@ import json
 import resource
 from pathlib import Path
 
-from .calibrate import CalibrationConfig, fit_mapper
-from .capture import load_model
-from .default_pair import LARGE, SMALL, ensure_model
-from .evaluate import EvalRuns, evaluate
-from .texts import default_eval_files, eval_windows, prompt_of_length
-from .timing import measure_speed
-from .transfer import Repair
-from .tune import TuneConfig, tune_mapper
+from .fitting.calibrate import CalibrationConfig, fit_mapper
+from .fitting.default_pair import LARGE, SMALL, ensure_model
+from .fitting.evaluate import EvalRuns, evaluate
+from .fitting.texts import default_eval_files, eval_windows, prompt_of_length
+from .fitting.tune import TuneConfig, tune_mapper
+from .models.capture import load_model
+from .models.timing import measure_speed
+from .models.transfer import Repair
 
 
 def run_demo(

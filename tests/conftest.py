@@ -7,8 +7,8 @@ import string
 import pytest
 import torch
 
-from sgl_kvmap.capture import LoadedModel
-from sgl_kvmap.spec import spec_from_config
+from sgl_kvmap.core.spec import spec_from_config
+from sgl_kvmap.models.capture import LoadedModel
 
 CHARS = string.printable
 
@@ -109,13 +109,13 @@ def fit_tiny_mapper(
 ):
     """A source -> target mapper fitted on six random windows of 64 tokens (no sink tokens;
     rank: a reduced-rank mapper instead)."""
-    from sgl_kvmap.calibrate import (
+    from sgl_kvmap.fitting.calibrate import (
         CalibrationConfig,
         PairStatistics,
         content_features,
         fit_from_statistics,
     )
-    from sgl_kvmap.capture import capture_kv
+    from sgl_kvmap.models.capture import capture_kv
 
     stats = PairStatistics(source.spec, target.spec)
     generator = torch.Generator().manual_seed(0)
@@ -138,7 +138,7 @@ def with_random_residual(mapper, cache, hidden: int = 8):
     (not the zero start), scaled for the features of ``cache``."""
     import dataclasses
 
-    from sgl_kvmap.residual import Residual, initial_residual
+    from sgl_kvmap.core.residual import Residual, initial_residual
 
     generator = torch.Generator().manual_seed(7)
     features = mapper.content_features(cache)

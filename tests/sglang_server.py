@@ -60,8 +60,8 @@ from sglang.srt.runtime_context import get_context, get_parallel
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-from sgl_kvmap.cache import KVCache
-from sgl_kvmap.capture import LoadedModel, run
+from sgl_kvmap.core.cache import KVCache
+from sgl_kvmap.models.capture import LoadedModel, run
 from sgl_kvmap.sglang.heads import rank_heads
 
 PAGE = 8

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from sgl_kvmap import CalibrationConfig, evaluate, fit_mapper
-from sgl_kvmap.capture import LoadedModel, run
-from sgl_kvmap.errors import KVMapError, PairMismatchError
-from sgl_kvmap.evaluate import RATIOS, bootstrap_interval, paired_difference
-from sgl_kvmap.spec import spec_from_config
-from sgl_kvmap.texts import eval_windows, expand_paths
+from sgl_kvmap.core.errors import KVMapError, PairMismatchError
+from sgl_kvmap.core.spec import spec_from_config
+from sgl_kvmap.fitting.evaluate import RATIOS, bootstrap_interval, paired_difference
+from sgl_kvmap.fitting.texts import eval_windows, expand_paths
+from sgl_kvmap.models.capture import LoadedModel, run
 
 from .conftest import char_tokenizer, tiny_model
 
@@ -132,7 +132,7 @@ def test_bootstrap_interval_of_identical_windows_is_the_point_and_undefined_is_n
 
 
 def test_shared_runs_give_the_same_report_and_refuse_other_windows(tiny_pair, text_dir):
-    from sgl_kvmap.evaluate import EvalRuns
+    from sgl_kvmap.fitting.evaluate import EvalRuns
 
     source, target = tiny_pair
     ((mapper, _),) = fit_mapper(source, target, [text_dir / "calib"], CalibrationConfig(**SMALL))
@@ -153,7 +153,7 @@ def test_shared_runs_give_the_same_report_and_refuse_other_windows(tiny_pair, te
 
 
 def test_statistics_grown_in_steps_through_a_file_equal_one_pass(tiny_pair, tmp_path):
-    from sgl_kvmap.calibrate import collect_statistics, load_state, save_state
+    from sgl_kvmap.fitting.calibrate import collect_statistics, load_state, save_state
 
     source, target = tiny_pair
     config = CalibrationConfig(tokens=1024, window=64, heldout_every=4)
@@ -178,7 +178,7 @@ def test_statistics_grown_in_steps_through_a_file_equal_one_pass(tiny_pair, tmp_
 
 def test_statistics_of_two_corpora_merge_into_the_fit_of_one_pass(tiny_pair):
     """A second corpus captured apart (its own shifts) merged in: the same fit as one pass."""
-    from sgl_kvmap.calibrate import collect_statistics, fit_from_statistics
+    from sgl_kvmap.fitting.calibrate import collect_statistics, fit_from_statistics
 
     source, target = tiny_pair
     config = CalibrationConfig(tokens=1024, window=64, heldout_every=4, top_k=2)
@@ -215,7 +215,7 @@ def test_layer_fidelity_is_counted_once_whatever_the_tail(tiny_pair, text_dir):
 
 def test_heldout_windows_come_from_files_no_training_window_reads(tmp_path):
     """Choosing k needs text the maps never saw: no file feeds both splits."""
-    from sgl_kvmap.calibrate import _heldout_indices, calibration_token_windows
+    from sgl_kvmap.fitting.calibrate import _heldout_indices, calibration_token_windows
 
     letters = "abcdefghijklmnop"
     for letter in letters:
@@ -243,7 +243,7 @@ def test_heldout_windows_come_from_files_no_training_window_reads(tmp_path):
 def test_stdlib_docs_are_the_reference_pages_written_once(tmp_path):
     from pydoc_data.topics import topics
 
-    from sgl_kvmap.texts import default_eval_files, stdlib_docs_files
+    from sgl_kvmap.fitting.texts import default_eval_files, stdlib_docs_files
 
     files = stdlib_docs_files(tmp_path)
     assert len(files) == len(topics) > 50
@@ -257,7 +257,7 @@ def test_stdlib_docs_are_the_reference_pages_written_once(tmp_path):
 def test_code_corpus_is_the_stdlib_and_dependency_sources_never_evaluation_packages():
     import torch as torch_package
 
-    from sgl_kvmap.texts import (
+    from sgl_kvmap.fitting.texts import (
         EVAL_PACKAGES,
         code_corpus_files,
         default_eval_files,

@@ -5,9 +5,9 @@ import subprocess
 
 import pytest
 
-from sgl_kvmap import default_pair
-from sgl_kvmap.default_pair import PyPIModel
-from sgl_kvmap.errors import ModelSourceError
+from sgl_kvmap.core.errors import ModelSourceError
+from sgl_kvmap.fitting import default_pair
+from sgl_kvmap.fitting.default_pair import PyPIModel
 
 PARTS = [b"first part;", b"second part;", b"third"]
 

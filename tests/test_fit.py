@@ -1,6 +1,6 @@
 import torch
 
-from sgl_kvmap.fit import (
+from sgl_kvmap.core.fit import (
     Geometry,
     candidate_ks,
     fit_affine,
@@ -9,7 +9,7 @@ from sgl_kvmap.fit import (
     ridge_solve,
     top_k_selection,
 )
-from sgl_kvmap.stats import Moments, residuals
+from sgl_kvmap.core.stats import Moments, residuals
 
 
 def moments_of(x, y, batches=3):

@@ -11,9 +11,9 @@ import torch
 if not torch.cuda.is_available():  # read when the Triton kernels are first imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from sgl_kvmap.capture import capture_kv  # noqa: E402
-from sgl_kvmap.errors import KVMapError  # noqa: E402
+from sgl_kvmap.core.errors import KVMapError  # noqa: E402
 from sgl_kvmap.kernels import PagedKV, translate_pages  # noqa: E402
+from sgl_kvmap.models.capture import capture_kv  # noqa: E402
 
 from .conftest import fit_tiny_mapper, tiny_model, with_random_residual  # noqa: E402
 

@@ -5,17 +5,17 @@ from dataclasses import replace
 import pytest
 import torch
 
-from sgl_kvmap.cache import KVCache
-from sgl_kvmap.calibrate import (
+from sgl_kvmap.core.cache import KVCache
+from sgl_kvmap.core.errors import KVMapError
+from sgl_kvmap.core.rope import rope, unrope
+from sgl_kvmap.core.spec import tables_for_spec
+from sgl_kvmap.fitting.calibrate import (
     CalibrationConfig,
     PairStatistics,
     content_features,
     fit_from_statistics,
 )
-from sgl_kvmap.capture import capture_kv
-from sgl_kvmap.errors import KVMapError
-from sgl_kvmap.rope import rope, unrope
-from sgl_kvmap.spec import tables_for_spec
+from sgl_kvmap.models.capture import capture_kv
 
 from .conftest import tiny_model
 
@@ -112,8 +112,8 @@ def test_auto_layer_k_picks_each_layers_own_k(exact_problem):
 
 def test_relative_ridge_scales_with_the_features(exact_problem):
     """The same relative ridge gives the same map when every feature is scaled by 1000."""
-    from sgl_kvmap.fit import Ridge, fit_affine
-    from sgl_kvmap.stats import Moments
+    from sgl_kvmap.core.fit import Ridge, fit_affine
+    from sgl_kvmap.core.stats import Moments
 
     x, y = torch.randn(300, 6), torch.randn(300, 2)
     maps = []
@@ -220,7 +220,7 @@ def test_full_rank_equals_the_all_layer_ridge(exact_problem):
 
 
 def test_candidate_ranks_double_up_to_the_widest():
-    from sgl_kvmap.fit import Geometry, candidate_ranks
+    from sgl_kvmap.core.fit import Geometry, candidate_ranks
 
     assert candidate_ranks(Geometry(24, 128, 28, 256, 128)) == [128, 256, 512, 1024, 2048, 3072]
     assert candidate_ranks(Geometry(3, 32, 4, 32, 32)) == [96]
@@ -234,7 +234,7 @@ def test_auto_rank_records_every_rank_tried(low_rank_problem):
 
 
 def test_auto_rank_keeps_the_k_layer_map_only_where_it_is_clearly_better(low_rank_problem):
-    from sgl_kvmap.calibrate import _better_map
+    from sgl_kvmap.fitting.calibrate import _better_map
 
     *_, stats = low_rank_problem
     config = CalibrationConfig(ridge=1e-6)

@@ -3,17 +3,17 @@ import json
 import pytest
 import torch
 
-from sgl_kvmap import pack
-from sgl_kvmap.calibrate import (
+from sgl_kvmap.core import pack
+from sgl_kvmap.core.errors import PackError, PairMismatchError
+from sgl_kvmap.core.mapper import KVMapper
+from sgl_kvmap.core.spec import check_models
+from sgl_kvmap.fitting.calibrate import (
     CalibrationConfig,
     PairStatistics,
     content_features,
     fit_from_statistics,
 )
-from sgl_kvmap.capture import capture_kv
-from sgl_kvmap.errors import PackError, PairMismatchError
-from sgl_kvmap.mapper import KVMapper
-from sgl_kvmap.spec import check_models
+from sgl_kvmap.models.capture import capture_kv
 
 from .conftest import tiny_model
 
@@ -155,8 +155,8 @@ def test_a_loaded_pack_no_longer_depends_on_its_file(mapper, saved, change):
 
     script = f"""
 import os, torch
-from sgl_kvmap.cache import KVCache
-from sgl_kvmap.mapper import KVMapper
+from sgl_kvmap.core.cache import KVCache
+from sgl_kvmap.core.mapper import KVMapper
 m = KVMapper.from_pretrained({str(saved)!r})
 g, s = torch.Generator().manual_seed(0), m.source
 layers = [torch.randn(9, s.num_kv_heads, s.head_dim, generator=g) for _ in range(2 * s.num_layers)]

@@ -11,13 +11,17 @@ import pytest
 import torch
 
 from sgl_kvmap import CalibrationConfig, KVMapper, capture_kv, evaluate, load_model
-from sgl_kvmap.calibrate import calibration_token_windows, collect_statistics, fit_from_statistics
-from sgl_kvmap.capture import run
-from sgl_kvmap.default_pair import LARGE, SMALL, ensure_model
-from sgl_kvmap.evaluate import EvalRuns
-from sgl_kvmap.spec import check_models
-from sgl_kvmap.texts import default_eval_files, eval_windows, stdlib_files
-from sgl_kvmap.tune import TuneConfig, tune_mapper
+from sgl_kvmap.core.spec import check_models
+from sgl_kvmap.fitting.calibrate import (
+    calibration_token_windows,
+    collect_statistics,
+    fit_from_statistics,
+)
+from sgl_kvmap.fitting.default_pair import LARGE, SMALL, ensure_model
+from sgl_kvmap.fitting.evaluate import EvalRuns
+from sgl_kvmap.fitting.texts import default_eval_files, eval_windows, stdlib_files
+from sgl_kvmap.fitting.tune import TuneConfig, tune_mapper
+from sgl_kvmap.models.capture import run
 
 pytestmark = pytest.mark.realpair
 

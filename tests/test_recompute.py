@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from sgl_kvmap.capture import (
+from sgl_kvmap.models.capture import (
     KVCache,
     capture_kv,
     first_layer_kv,
@@ -14,7 +14,7 @@ from sgl_kvmap.capture import (
     recompute_tokens,
     run,
 )
-from sgl_kvmap.transfer import handoff, handoff_split, translate_prefix
+from sgl_kvmap.models.transfer import handoff, handoff_split, translate_prefix
 
 from .conftest import tiny_model
 

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from sgl_kvmap import evaluate
-from sgl_kvmap.capture import capture_kv, run
-from sgl_kvmap.errors import KVMapError
-from sgl_kvmap.texts import eval_windows, expand_paths
-from sgl_kvmap.timing import measure_speed
-from sgl_kvmap.token_weights import attention_paid
-from sgl_kvmap.transfer import (
+from sgl_kvmap.core.errors import KVMapError
+from sgl_kvmap.core.token_weights import attention_paid
+from sgl_kvmap.fitting.texts import eval_windows, expand_paths
+from sgl_kvmap.models.capture import capture_kv, run
+from sgl_kvmap.models.timing import measure_speed
+from sgl_kvmap.models.transfer import (
     Repair,
     draft_anchors,
     draft_attention,

@@ -7,13 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sgl_kvmap.capture import capture_kv
-from sgl_kvmap.errors import KVMapError, PackError
-from sgl_kvmap.mapper import KVMapper
-from sgl_kvmap.residual import initial_residual, output_rates
-from sgl_kvmap.rope import rope
-from sgl_kvmap.spec import tables_for_spec
-from sgl_kvmap.tune import TuneConfig, _frozen, _trainable, continuation_loss, tune_mapper
+from sgl_kvmap.core.errors import KVMapError, PackError
+from sgl_kvmap.core.mapper import KVMapper
+from sgl_kvmap.core.residual import initial_residual, output_rates
+from sgl_kvmap.core.rope import rope
+from sgl_kvmap.core.spec import tables_for_spec
+from sgl_kvmap.fitting.tune import TuneConfig, _frozen, _trainable, continuation_loss, tune_mapper
+from sgl_kvmap.models.capture import capture_kv
 
 from .conftest import fit_tiny_mapper, with_random_residual
 

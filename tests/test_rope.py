@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from sgl_kvmap.capture import run
-from sgl_kvmap.rope import RotaryTables, rope, unrope
-from sgl_kvmap.spec import tables_for_spec
+from sgl_kvmap.core.rope import RotaryTables, rope, unrope
+from sgl_kvmap.core.spec import tables_for_spec
+from sgl_kvmap.models.capture import run
 
 from .conftest import tiny_model
 

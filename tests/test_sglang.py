@@ -15,10 +15,10 @@ import os
 import pytest
 import torch
 
-from sgl_kvmap.cache import KVCache
-from sgl_kvmap.capture import load_model, run
+from sgl_kvmap.core.cache import KVCache
+from sgl_kvmap.core.mapper import KVMapper
 from sgl_kvmap.kernels import fast_matmul_dtype
-from sgl_kvmap.mapper import KVMapper
+from sgl_kvmap.models.capture import load_model, run
 from sgl_kvmap.sglang import PeerSettings, StorageSettings
 from sgl_kvmap.sglang.launch import sglang_extra_config
 
@@ -429,7 +429,7 @@ def test_a_pack_changed_on_disk_while_serving_changes_nothing(cluster, deploymen
 )
 def test_a_wrong_extra_config_stops_the_server_with_its_message(cluster, extra, message):
     """SGLang builds the backend while the server starts: a wrong value is refused there."""
-    from sgl_kvmap.errors import KVMapError
+    from sgl_kvmap.core.errors import KVMapError
 
     config = {**cluster.extra(1), **extra}
     with pytest.raises(KVMapError, match=message):

@@ -5,7 +5,7 @@ loaded on rank r is ``r // num_kv_head_replicas``; otherwise rank r loads heads
 
 import pytest
 
-from sgl_kvmap.errors import KVMapError
+from sgl_kvmap.core.errors import KVMapError
 from sgl_kvmap.sglang.heads import rank_heads, ranks_covering_heads
 
 

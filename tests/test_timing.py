@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from sgl_kvmap.timing import measure_speed
+from sgl_kvmap.models.timing import measure_speed
 
 
 @pytest.mark.parametrize("sinks", [0, 3])

@@ -5,12 +5,10 @@ import dataclasses
 import pytest
 import torch
 
-from sgl_kvmap.capture import capture_kv, run
-from sgl_kvmap.errors import KVMapError
-from sgl_kvmap.evaluate import EvalRuns, continuation_scores
-from sgl_kvmap.mapper import KVMapper
-from sgl_kvmap.transfer import handoff_split, translate_prefix
-from sgl_kvmap.tune import (
+from sgl_kvmap.core.errors import KVMapError
+from sgl_kvmap.core.mapper import KVMapper
+from sgl_kvmap.fitting.evaluate import EvalRuns, continuation_scores
+from sgl_kvmap.fitting.tune import (
     FAMILY_RATES,
     TuneConfig,
     _copy,
@@ -20,6 +18,8 @@ from sgl_kvmap.tune import (
     own_log_probs,
     tune_mapper,
 )
+from sgl_kvmap.models.capture import capture_kv, run
+from sgl_kvmap.models.transfer import handoff_split, translate_prefix
 
 from .conftest import fit_tiny_mapper
 

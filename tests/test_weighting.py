@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from sgl_kvmap.calibrate import CalibrationConfig, CalibrationState, collect_many
-from sgl_kvmap.capture import run
-from sgl_kvmap.errors import KVMapError
-from sgl_kvmap.fit import fit_affine
-from sgl_kvmap.stats import Moments, moments_from_tensors, moments_to_tensors, residuals
-from sgl_kvmap.token_weights import attention_paid, attention_received, token_weights
+from sgl_kvmap.core.errors import KVMapError
+from sgl_kvmap.core.fit import fit_affine
+from sgl_kvmap.core.stats import Moments, moments_from_tensors, moments_to_tensors, residuals
+from sgl_kvmap.core.token_weights import attention_paid, attention_received, token_weights
+from sgl_kvmap.fitting.calibrate import CalibrationConfig, CalibrationState, collect_many
+from sgl_kvmap.models.capture import run
 
 from .conftest import tiny_model
 
@@ -102,7 +102,7 @@ def test_token_weights_mean_one_and_power_zero_is_unweighted():
 
 def test_one_pass_grows_weighted_and_unweighted_statistics_alike(tiny_pair):
     """Several weightings grown together equal each grown alone."""
-    from sgl_kvmap.calibrate import collect_statistics
+    from sgl_kvmap.fitting.calibrate import collect_statistics
 
     source, target = tiny_pair
     windows = [torch.randint(0, 100, (48,)) for _ in range(4)]

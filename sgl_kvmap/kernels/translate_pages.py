@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import KVCache
-from ..errors import KVMapError
-from ..mapper import KVMapper
+from ..core.cache import KVCache
+from ..core.errors import KVMapError
+from ..core.mapper import KVMapper
 
 BACKENDS = ("auto", "torch", "triton")
 

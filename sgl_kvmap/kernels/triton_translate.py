@@ -24,9 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..errors import KVMapError
-from ..mapper import default_matmul_dtype
-from ..spec import tables_for_spec
+from ..core.errors import KVMapError
+from ..core.mapper import default_matmul_dtype
+from ..core.spec import tables_for_spec
 
 TOKENS_PER_PROGRAM = 16
 _TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}

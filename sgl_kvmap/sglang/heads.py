@@ -8,7 +8,7 @@ them: every head is held by ``tp_size // num_kv_heads`` consecutive ranks, rank 
 
 from __future__ import annotations
 
-from ..errors import KVMapError
+from ..core.errors import KVMapError
 
 
 def rank_heads(num_kv_heads: int, tp_size: int, tp_rank: int) -> list[int]:

@@ -17,9 +17,9 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import KVMapError
-from ..pack import read_config
-from ..spec import spec_from_pretrained
+from ..core.errors import KVMapError
+from ..core.pack import read_config
+from ..core.spec import spec_from_pretrained
 from .settings import INNER_BACKENDS, PeerSettings, StorageSettings
 
 PREFETCH_POLICIES = ("timeout", "wait_complete", "best_effort")
@@ -169,7 +169,7 @@ def measured_deadline(
     what was measured."""
     import torch
 
-    from ..mapper import KVMapper
+    from ..core.mapper import KVMapper
     from .translation import translation_seconds
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

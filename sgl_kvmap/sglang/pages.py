@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import KVMapError
+from ..core.errors import KVMapError
 
 _ORDER = {  # axes of one K (or V) block, outermost first: P page tokens, L layers, H heads, D dim
     "page_first": "PLHD",

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import KVMapError
+from ..core.errors import KVMapError
 from .pages import PageFormat
 
 RECORD_BYTES = 1024

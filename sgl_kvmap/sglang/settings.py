@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ..errors import KVMapError
+from ..core.errors import KVMapError
 
 BACKEND = {
     "backend_name": "kvmap",

@@ -38,9 +38,9 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-from ..errors import KVMapError, PackError, PairMismatchError
-from ..mapper import KVMapper
-from ..spec import ModelSpec, check_models, check_pair, spec_from_pretrained
+from ..core.errors import KVMapError, PackError, PairMismatchError
+from ..core.mapper import KVMapper
+from ..core.spec import ModelSpec, check_models, check_pair, spec_from_pretrained
 from .heads import rank_heads, ranks_covering_heads
 from .pages import PageFormat
 from .records import PageRecord, empty_record, page_crc32

@@ -13,8 +13,8 @@ import time
 
 import torch
 
+from ..core.mapper import KVMapper
 from ..kernels import PagedKV, fast_matmul_dtype, translate_pages
-from ..mapper import KVMapper
 
 
 def translate_tokens(

@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..core.mapper import KVMapper
 from .capture import LoadedModel, capture_kv, forward_scattered, run
-from .mapper import KVMapper
 from .transfer import (
     Repair,
     draft_anchors,

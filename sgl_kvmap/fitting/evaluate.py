@@ -17,12 +17,12 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .cache import KVCache
-from .capture import LoadedModel, run
-from .mapper import KVMapper
-from .rope import unrope
-from .spec import check_models, tables_for_spec
-from .transfer import Repair, draft_anchors, handoff_split, translate_prefix
+from ..core.cache import KVCache
+from ..core.mapper import KVMapper
+from ..core.rope import unrope
+from ..core.spec import check_models, tables_for_spec
+from ..models.capture import LoadedModel, run
+from ..models.transfer import Repair, draft_anchors, handoff_split, translate_prefix
 
 INTERVAL_LEVEL = 0.9  # of the ratios' bootstrap intervals over windows
 BOOTSTRAP_DRAWS = 4000

@@ -21,10 +21,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from .cache import KVCache
-from .capture import LoadedModel, load_model, run
-from .errors import KVMapError
-from .fit import (
+from ..core.cache import KVCache
+from ..core.errors import KVMapError
+from ..core.fit import (
     KINDS,
     Geometry,
     LayerMap,
@@ -38,12 +37,13 @@ from .fit import (
     probe_scores,
     top_k_selection,
 )
-from .mapper import KVMapper
-from .rope import unrope
-from .spec import ModelSpec, check_pair, tables_for_spec
-from .stats import Moments, moments_from_tensors, moments_to_tensors
+from ..core.mapper import KVMapper
+from ..core.rope import unrope
+from ..core.spec import ModelSpec, check_pair, tables_for_spec
+from ..core.stats import Moments, moments_from_tensors, moments_to_tensors
+from ..core.token_weights import attention_received, token_weights
+from ..models.capture import LoadedModel, load_model, run
 from .texts import calibration_windows, expand_paths, shuffled, stdlib_files
-from .token_weights import attention_received, token_weights
 
 log = logging.getLogger(__name__)
 

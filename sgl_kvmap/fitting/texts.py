@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import KVMapError
+from ..core.errors import KVMapError
 
 TEXT_SUFFIXES = {".py", ".md", ".rst", ".txt", ".json", ".toml", ".yaml", ".yml", ".c", ".h", ""}
 EVAL_PACKAGES = ("click", "tqdm", "huggingface_hub")

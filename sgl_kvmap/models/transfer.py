@@ -26,6 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.errors import KVMapError
+from ..core.mapper import KVMapper
+from ..core.token_weights import attention_paid
 from .capture import (
     ForwardResult,
     KVCache,
@@ -34,9 +37,6 @@ from .capture import (
     recompute_tokens,
     run,
 )
-from .errors import KVMapError
-from .mapper import KVMapper
-from .token_weights import attention_paid
 
 
 @dataclass(frozen=True)

@@ -32,16 +32,16 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .cache import KVCache
+from ..core.cache import KVCache
+from ..core.errors import KVMapError
+from ..core.fit import KINDS, LayerMap
+from ..core.mapper import KVMapper
+from ..core.residual import initial_residual, output_rates
+from ..core.spec import check_models
+from ..models.capture import LoadedModel, capture_kv, logits_over, run
+from ..models.transfer import handoff_split, mapped_prefix
 from .calibrate import calibration_files
-from .capture import LoadedModel, capture_kv, logits_over, run
-from .errors import KVMapError
-from .fit import KINDS, LayerMap
-from .mapper import KVMapper
-from .residual import initial_residual, output_rates
-from .spec import check_models
 from .texts import calibration_windows, code_corpus_files
-from .transfer import handoff_split, mapped_prefix
 
 OBJECTIVES = ("nll", "kl")
 # the relative rate each map family takes when TuneConfig.lr is None: the rates that tuned the

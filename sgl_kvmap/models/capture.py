@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import KVCache
-from .spec import ModelSpec, spec_from_config
+from ..core.cache import KVCache
+from ..core.spec import ModelSpec, spec_from_config
 
 _CAPTURE_ATTENTION = "sgl_kvmap_capture"
 _capture_state = threading.local()

@@ -19,8 +19,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ModelSourceError
-from .files import replacing_folder
+from ..core.errors import ModelSourceError
+from ..core.files import replacing_folder
 
 log = logging.getLogger(__name__)
 

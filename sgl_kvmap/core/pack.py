@@ -26,7 +26,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, save_file
 
-from ._version import __version__
+from .._version import __version__
 from .errors import KVMapError, PackError
 from .files import replacing_folder, sha256_bytes, sha256_file
 from .fit import KINDS, LayerMap
