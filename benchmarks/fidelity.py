@@ -28,7 +28,6 @@ import click
 
 from sgl_kvmap.core.errors import KVMapError
 from sgl_kvmap.fitting.calibrate import (
-    CalibrationConfig,
     CalibrationState,
     calibration_token_windows,
     collect_many,
@@ -37,6 +36,7 @@ from sgl_kvmap.fitting.calibrate import (
     save_state,
     text_description,
 )
+from sgl_kvmap.fitting.config import CalibrationConfig, TuneConfig
 from sgl_kvmap.fitting.default_pair import LARGE, SMALL, cache_root, ensure_model
 from sgl_kvmap.fitting.evaluate import EvalRuns, bootstrap_interval, evaluate, window_scores
 from sgl_kvmap.fitting.texts import (
@@ -48,7 +48,7 @@ from sgl_kvmap.fitting.texts import (
     stdlib_docs_files,
     stdlib_files,
 )
-from sgl_kvmap.fitting.tune import TuneConfig, tune_mapper
+from sgl_kvmap.fitting.tune import tune_mapper
 from sgl_kvmap.models.capture import load_model
 from sgl_kvmap.models.timing import measure_speed
 from sgl_kvmap.models.transfer import Repair

@@ -28,13 +28,13 @@ import click
 from tqdm.auto import tqdm
 
 from sgl_kvmap.fitting.calibrate import (
-    CalibrationConfig,
     PairStatistics,
     calibration_token_windows,
     content_features,
     fit_from_statistics,
     text_description,
 )
+from sgl_kvmap.fitting.config import CalibrationConfig
 from sgl_kvmap.fitting.default_pair import LARGE, SMALL, ensure_model
 from sgl_kvmap.models.capture import load_model, run
 

@@ -27,8 +27,9 @@ from pathlib import Path
 import click
 
 from sgl_kvmap.core.mapper import KVMapper
+from sgl_kvmap.fitting.config import OBJECTIVES, TuneConfig
 from sgl_kvmap.fitting.evaluate import EvalRuns
-from sgl_kvmap.fitting.tune import OBJECTIVES, TuneConfig, tune_mapper, tuning_windows
+from sgl_kvmap.fitting.tune import tune_mapper, tuning_windows
 from sgl_kvmap.models.capture import load_model
 
 RESULTS = Path(__file__).parent / "results"

@@ -10,9 +10,10 @@ from .core.cache import KVCache
 from .core.errors import KVMapError, PackError, PairMismatchError
 from .core.mapper import KVMapper
 from .core.spec import ModelSpec, spec_from_pretrained
-from .fitting.calibrate import CalibrationConfig, FitReport, fit_mapper
+from .fitting.calibrate import FitReport, fit_mapper
+from .fitting.config import CalibrationConfig, TuneConfig
 from .fitting.evaluate import EvalReport, evaluate
-from .fitting.tune import TuneConfig, TuneReport, tune_mapper
+from .fitting.tune import TuneReport, tune_mapper
 from .models.capture import LoadedModel, capture_kv, load_model
 from .models.transfer import Repair, handoff, translate_prefix
 

@@ -4,29 +4,62 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import click
 from click.core import ParameterSource
 
-from .fitting.calibrate import AUTO_K, CalibrationConfig
-from .fitting.tune import FAMILY_RATES, OBJECTIVES, TuneConfig
+from .fitting.config import (
+    AUTO_K,
+    FAMILY_RATES,
+    OBJECTIVES,
+    DemoConfig,
+    EvalConfig,
+    PackRecipe,
+    TuneConfig,
+)
 from .models.transfer import Repair
 
-PACK_TOKENS = 131072  # `fit` builds packs to publish: the calibration budget that won on the pair
-PACK_RANK = "auto"  # reduced-rank maps beat k-layer maps at that budget (docs/LOG.md)
-# the repaired hand-off the demo reports: 240 anchors by a 2-token draft, the best measured
-# quality at the lowest cost (docs/LOG.md)
-DEMO_ANCHORS, DEMO_DRAFT = 240, Repair.draft
+# the defaults every option shows and falls back to (sgl_kvmap/fitting/config.py)
+PACK, TUNE, EVAL, DEMO = PackRecipe(), TuneConfig(), EvalConfig(), DemoConfig()
 SWEEPS_HELP = (
     "0: the source decodes its draft greedily, one token per forward; S: it guesses the draft "
     "by prompt lookup and refines it in S parallel forwards (Jacobi sweeps)."
 )
-DEMO_RANK = "auto"  # at the demo's 16k tokens too (docs/LOG.md)
-# downstream tuning after the fit: 120 steps on the code corpus, the best measured on the pair
-# (docs/LOG.md)
-PACK_TUNE_STEPS = 120
-DEMO_TUNE_STEPS = 0
+
+
+def _rank_text(rank: int | str | None) -> str:
+    """A rank as --rank spells it."""
+    return "none" if rank is None else str(rank)
+
+
+def _tune_steps(tuning: TuneConfig | None) -> int:
+    """Tuning steps as --tune-steps spells them (0: no tuning)."""
+    return 0 if tuning is None else tuning.steps
+
+
+def _repair(anchors: int, draft: int, sweeps: int) -> Repair | None:
+    """The repair --anchors/--draft/--sweeps ask for (0 anchors: none)."""
+    return Repair(anchors, draft, sweeps) if anchors else None
+
+
+def _repair_options(repair: Repair | None, anchors_help: str, draft_help: str):
+    """--anchors, --draft and --sweeps, defaulting to ``repair`` (None: 0 anchors, no repair;
+    the draft and sweeps ``Repair``'s own)."""
+    repair = repair or Repair(anchors=0)
+    options = [
+        click.option("--anchors", default=repair.anchors, show_default=True, help=anchors_help),
+        click.option("--draft", default=repair.draft, show_default=True, help=draft_help),
+        click.option("--sweeps", default=repair.sweeps, show_default=True, help=SWEEPS_HELP),
+    ]
+
+    def decorate(command):
+        for option in reversed(options):  # as if written top to bottom
+            command = option(command)
+        return command
+
+    return decorate
 
 
 def _rank(value: str | None) -> int | str | None:
@@ -57,12 +90,12 @@ def _rank_or_top_k(ctx: click.Context, rank: int | str | None) -> int | str | No
     return rank
 
 
-def _lr_option(flag: str):
+def _lr_option(flag: str, tuning: TuneConfig):
     """Tuning's learning rate, for `tune --lr` and `fit --tune-lr`."""
     return click.option(
         flag,
         type=float,
-        default=None,
+        default=tuning.lr,
         help="Tuning's relative Adam learning rate (each weight tensor's step: this x its RMS). "
         "Default: "
         + ", ".join(f"{rate:g} for {name} maps" for name, rate in FAMILY_RATES.items())
@@ -70,12 +103,12 @@ def _lr_option(flag: str):
     )
 
 
-def _objective_option(flag: str):
+def _objective_option(flag: str, tuning: TuneConfig):
     """Tuning's loss, for `tune --objective` and `fit --tune-objective`."""
     return click.option(
         flag,
         type=click.Choice(OBJECTIVES),
-        default=TuneConfig.objective,
+        default=tuning.objective,
         show_default=True,
         help="Tuning's loss. nll: cross-entropy on the true next tokens; kl: KL divergence from "
         "the target's own next-token distribution (one more target forward per step).",
@@ -119,28 +152,28 @@ def main(verbose: bool) -> None:
 )
 @click.option(
     "--tokens",
-    default=PACK_TOKENS,
+    default=PACK.calibration.tokens,
     show_default=True,
     help="Calibration tokens (train + held-out). The fidelity loop's strongest lever, and "
     "capture time grows with it (see docs/LOG.md).",
 )
 @click.option(
     "--window",
-    default=CalibrationConfig.window,
+    default=PACK.calibration.window,
     show_default=True,
     help="Tokens per calibration forward.",
 )
 @click.option(
     "--top-k",
     "top_k",
-    default="auto",
+    default=str(PACK.calibration.top_k),
     show_default=True,
     help="Source layers per target layer: N, 'auto' (one k, chosen on held-out calibration "
     "tokens) or 'auto-layer' (a k per target layer).",
 )
 @click.option(
     "--ridge",
-    default=CalibrationConfig.ridge,
+    default=PACK.calibration.ridge,
     show_default=True,
     help="Ridge lambda on the un-normalised Gram.",
 )
@@ -151,26 +184,26 @@ def main(verbose: bool) -> None:
 )
 @click.option(
     "--sink-tokens",
-    default=CalibrationConfig.sink_tokens,
+    default=PACK.calibration.sink_tokens,
     show_default=True,
     help="Leading tokens the target computes itself.",
 )
 @click.option(
     "--stride",
-    default=CalibrationConfig.stride,
+    default=PACK.calibration.stride,
     show_default=True,
     help="Keep every n-th calibration token.",
 )
 @click.option(
     "--attention-power",
-    default=CalibrationConfig.attention_power,
+    default=PACK.calibration.attention_power,
     show_default=True,
     help="Weight calibration tokens by the attention the target pays them, to this power "
     "(0: unweighted).",
 )
 @click.option(
     "--rank",
-    default=PACK_RANK,
+    default=_rank_text(PACK.calibration.rank),
     show_default=True,
     help="Reduced-rank map: every target layer reads all source layers through one shared "
     "projection of rank N, or 'auto' (the smallest rank within tolerance of the best held-out "
@@ -180,13 +213,13 @@ def main(verbose: bool) -> None:
 )
 @click.option(
     "--tune-steps",
-    default=PACK_TUNE_STEPS,
+    default=_tune_steps(PACK.tuning),
     show_default=True,
     help="Then tune the fitted map for this many steps on the target's next-token loss over "
     "translated caches (`sgl-kvmap tune`; 0: the closed-form fit as it is).",
 )
-@_lr_option("--tune-lr")
-@_objective_option("--tune-objective")
+@_lr_option("--tune-lr", PACK.tuning or TUNE)
+@_objective_option("--tune-objective", PACK.tuning or TUNE)
 @click.pass_context
 def fit(
     ctx,
@@ -208,12 +241,10 @@ def fit(
     tune_objective,
 ) -> None:
     """Fit a SOURCE -> TARGET mapper (anything transformers loads) and save it as a pack."""
-    from .fitting.calibrate import fit_mapper
-    from .models.capture import load_model
+    from .fitting.build import build_pack
 
-    rank = _rank_or_top_k(ctx, _rank(rank))
-
-    config = CalibrationConfig(
+    calibration_config = replace(
+        PACK.calibration,
         tokens=tokens,
         window=window,
         top_k=_top_k(top_k),
@@ -222,18 +253,15 @@ def fit(
         sink_tokens=sink_tokens,
         stride=stride,
         attention_power=attention_power,
-        rank=rank,
+        rank=_rank_or_top_k(ctx, _rank(rank)),
     )
-    texts = list(calibration) or None
-    models = load_model(source), load_model(target)
-    ((mapper, report),) = fit_mapper(*models, texts, config)
-    summary = report.summary()
-    if tune_steps:
-        from .fitting.tune import tune_mapper
-
-        config = TuneConfig(steps=tune_steps, lr=tune_lr, objective=tune_objective)
-        mapper, tuning = tune_mapper(mapper, *models, texts, config)
-        summary.update(tuning.summary())
+    tuning = (
+        replace(PACK.tuning or TUNE, steps=tune_steps, lr=tune_lr, objective=tune_objective)
+        if tune_steps
+        else None
+    )
+    recipe = PackRecipe(calibration_config, tuning)
+    mapper, summary = build_pack(source, target, list(calibration) or None, recipe)
     mapper.save_pretrained(out)
     click.echo(json.dumps(summary, indent=2))
     click.echo(f"pack written to {out}")
@@ -254,43 +282,43 @@ def fit(
     help="Text file or folder (repeatable), split into training and held-out files as `fit` "
     "splits them. Default: the Python stdlib's sources and those of sgl-kvmap's dependencies.",
 )
-@click.option("--steps", default=TuneConfig.steps, show_default=True, help="Gradient steps.")
-@_lr_option("--lr")
+@click.option("--steps", default=TUNE.steps, show_default=True, help="Gradient steps.")
+@_lr_option("--lr", TUNE)
 @click.option(
     "--prompt-len",
-    default=TuneConfig.prompt_len,
+    default=TUNE.prompt_len,
     show_default=True,
     help="Prompt tokens translated per step.",
 )
 @click.option(
     "--continuation",
-    default=TuneConfig.continuation,
+    default=TUNE.continuation,
     show_default=True,
     help="Tokens after the prompt whose next-token loss is minimised.",
 )
 @click.option(
     "--eval-every",
-    default=TuneConfig.eval_every,
+    default=TUNE.eval_every,
     show_default=True,
     help="Score held-out windows every N steps; the best weights are kept.",
 )
-@_objective_option("--objective")
+@_objective_option("--objective", TUNE)
 @click.option(
     "--warmup",
-    default=TuneConfig.warmup,
+    default=TUNE.warmup,
     show_default=True,
     help="Steps over which the rate rises linearly to --lr.",
 )
 @click.option(
     "--tail",
-    default=TuneConfig.tail,
+    default=TUNE.tail,
     show_default=True,
     help="Prompt tokens the hand-off recomputes (`eval --tail`); the map is tuned and scored "
     "for that hand-off.",
 )
 @click.option(
     "--residual-hidden",
-    default=TuneConfig.residual_hidden,
+    default=TUNE.residual_hidden,
     show_default=True,
     help="Grow a non-linear residual of this width on a reduced-rank map and tune it with the "
     "rest (0: the map stays affine).",
@@ -334,16 +362,19 @@ def tune(
     type=click.Path(exists=True),
     help="Held-out text file or folder (repeatable). Default: third-party sources + licence texts.",
 )
-@click.option("--prefix-len", default=1024, show_default=True)
-@click.option("--continuation", default=64, show_default=True)
+@click.option("--prefix-len", default=EVAL.prefix_len, show_default=True)
+@click.option("--continuation", default=EVAL.continuation, show_default=True)
 @click.option(
     "--tail",
-    default=32,
+    default=EVAL.tail,
     show_default=True,
     help="Prompt tokens recomputed by the target besides the last one.",
 )
 @click.option(
-    "--windows", default=8, show_default=True, help="Evaluation windows (one per text file)."
+    "--windows",
+    default=EVAL.windows,
+    show_default=True,
+    help="Evaluation windows (one per text file).",
 )
 @click.option(
     "--source",
@@ -357,23 +388,15 @@ def tune(
     default=None,
     help="Target model (default: the path recorded in the pack).",
 )
-@click.option(
-    "--anchors",
-    default=0,
-    show_default=True,
-    help="Also score the hand-off repair: translated tokens the target recomputes, picked by "
-    "the source's draft (0: off).",
+@_repair_options(
+    EVAL.repair,
+    anchors_help="Also score the hand-off repair: translated tokens the target recomputes, "
+    "picked by the source's draft (0: off).",
+    draft_help="Tokens the source drafts to pick them.",
 )
-@click.option(
-    "--draft",
-    default=Repair.draft,
-    show_default=True,
-    help="Tokens the source drafts to pick them.",
-)
-@click.option("--sweeps", default=0, show_default=True, help=SWEEPS_HELP)
 @click.option(
     "--speed-tokens",
-    default=0,
+    default=EVAL.speed_tokens,
     show_default=True,
     help="Also time the same hand-off (tail, repair) against the target's re-prefill of a "
     "prompt of this many tokens, on this machine (0: off).",
@@ -390,19 +413,22 @@ def eval_(
     from .models.capture import load_model
     from .models.timing import measure_speed
 
-    repair = Repair(anchors, draft, sweeps) if anchors else None
+    config = EvalConfig(
+        prefix_len, continuation, tail, windows, _repair(anchors, draft, sweeps), speed_tokens
+    )
     mapper = KVMapper.from_pretrained(pack)
     source = load_model(source_path or mapper.source.model_id)
     target = load_model(target_path or mapper.target.model_id)
     files = expand_paths(texts) if texts else default_eval_files()
     token_windows = eval_windows(target.tokenizer, files, prefix_len + continuation, windows)
     report = evaluate(
-        mapper, source, target, token_windows, prefix_len, continuation, tail, repair=repair
-    )
+        mapper, source, target, token_windows, prefix_len, continuation, tail,
+        repair=config.repair,
+    )  # fmt: skip
     speed = None
     if speed_tokens:
         prompt = prompt_of_length(target.tokenizer, speed_tokens)
-        speed = measure_speed(mapper, source, target, prompt, tail=tail, repair=repair)
+        speed = measure_speed(mapper, source, target, prompt, tail=tail, repair=config.repair)
     if as_json:
         result = report.to_dict()
         if speed is not None:
@@ -439,17 +465,22 @@ def inspect(pack) -> None:
 @main.command()
 @click.option(
     "--tokens",
-    default=16384,
+    default=DEMO.recipe.calibration.tokens,
     show_default=True,
     help="Calibration tokens (both directions share them).",
 )
-@click.option("--windows", default=8, show_default=True, help="Evaluation windows per direction.")
-@click.option("--prefix-len", default=1024, show_default=True)
-@click.option("--continuation", default=64, show_default=True)
-@click.option("--tail", default=32, show_default=True)
+@click.option(
+    "--windows",
+    default=DEMO.evaluation.windows,
+    show_default=True,
+    help="Evaluation windows per direction.",
+)
+@click.option("--prefix-len", default=DEMO.evaluation.prefix_len, show_default=True)
+@click.option("--continuation", default=DEMO.evaluation.continuation, show_default=True)
+@click.option("--tail", default=DEMO.evaluation.tail, show_default=True)
 @click.option(
     "--bench-tokens",
-    default=2048,
+    default=DEMO.evaluation.speed_tokens,
     show_default=True,
     help="Prefix length for the speed comparison.",
 )
@@ -460,25 +491,20 @@ def inspect(pack) -> None:
     type=click.Path(file_okay=False, path_type=Path),
     help="Folder for the two packs and results.json.",
 )
-@click.option(
-    "--anchors",
-    default=DEMO_ANCHORS,
-    show_default=True,
-    help="Translated tokens the repaired hand-off recomputes (0: no repair row).",
+@_repair_options(
+    DEMO.evaluation.repair,
+    anchors_help="Translated tokens the repaired hand-off recomputes (0: no repair row).",
+    draft_help="Source draft that picks them.",
 )
-@click.option(
-    "--draft", default=DEMO_DRAFT, show_default=True, help="Source draft that picks them."
-)
-@click.option("--sweeps", default=0, show_default=True, help=SWEEPS_HELP)
 @click.option(
     "--rank",
-    default=DEMO_RANK,
+    default=_rank_text(DEMO.recipe.calibration.rank),
     show_default=True,
     help="Reduced rank of both maps: N, 'auto' or 'none' (k selected source layers).",
 )
 @click.option(
     "--tune-steps",
-    default=DEMO_TUNE_STEPS,
+    default=_tune_steps(DEMO.recipe.tuning),
     show_default=True,
     help="Downstream tuning steps after each fit (`sgl-kvmap tune`; 0: none).",
 )
@@ -492,20 +518,14 @@ def demo(
     """
     from .demo import run_demo
 
-    click.echo(
-        run_demo(
-            out,
-            tokens=tokens,
-            windows=windows,
-            prefix_len=prefix_len,
-            continuation=continuation,
-            tail=tail,
-            bench_tokens=bench_tokens,
-            repair=Repair(anchors, draft, sweeps) if anchors else None,
-            rank=_rank(rank),
-            tune_steps=tune_steps,
-        )
+    recipe = PackRecipe(
+        replace(DEMO.recipe.calibration, tokens=tokens, rank=_rank(rank)),
+        replace(DEMO.recipe.tuning or TUNE, steps=tune_steps) if tune_steps else None,
     )
+    evaluation = EvalConfig(
+        prefix_len, continuation, tail, windows, _repair(anchors, draft, sweeps), bench_tokens
+    )
+    click.echo(run_demo(out, DemoConfig(recipe, evaluation)))
 
 
 @main.command(name="sglang-args")

@@ -13,49 +13,38 @@ import json
 import resource
 from pathlib import Path
 
-from .fitting.calibrate import CalibrationConfig, fit_mapper
+from .fitting.calibrate import fit_mapper
+from .fitting.config import DemoConfig
 from .fitting.default_pair import LARGE, SMALL, ensure_model
 from .fitting.evaluate import EvalRuns, evaluate
 from .fitting.texts import default_eval_files, eval_windows, prompt_of_length
-from .fitting.tune import TuneConfig, tune_mapper
+from .fitting.tune import tune_mapper
 from .models.capture import load_model
 from .models.timing import measure_speed
-from .models.transfer import Repair
 
 
-def run_demo(
-    out: Path,
-    tokens: int,
-    windows: int,
-    prefix_len: int,
-    continuation: int,
-    tail: int,
-    bench_tokens: int,
-    repair: Repair | None = None,
-    rank: int | str | None = None,
-    tune_steps: int = 0,
-) -> str:
-    """Run the whole job and return the summary table (also saved under ``out``). rank: the
-    reduced rank of both maps (CalibrationConfig.rank; None: k selected source layers);
-    tune_steps: downstream tuning steps after each fit (``tune.tune_mapper``; 0: none)."""
+def run_demo(out: Path, config: DemoConfig = DemoConfig()) -> str:
+    """Run the whole job as ``config`` says and return the summary table (also saved under
+    ``out`` with both packs and results.json)."""
+    recipe, evaluation = config.recipe, config.evaluation
     small = load_model(str(ensure_model(SMALL)))
     large = load_model(str(ensure_model(LARGE)))
-    fits = fit_mapper(
-        small, large, config=CalibrationConfig(tokens=tokens, rank=rank), both_directions=True
-    )
+    fits = fit_mapper(small, large, config=recipe.calibration, both_directions=True)
     fit_peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    prefix_len, continuation = evaluation.prefix_len, evaluation.continuation
     eval_ids = eval_windows(
-        large.tokenizer, default_eval_files(), prefix_len + continuation, windows
+        large.tokenizer, default_eval_files(), prefix_len + continuation, evaluation.windows
     )
-    bench_ids = prompt_of_length(large.tokenizer, bench_tokens)
+    bench_ids = prompt_of_length(large.tokenizer, evaluation.speed_tokens)
     runs = EvalRuns(eval_ids, prefix_len, continuation)  # each model's own passes, shared
+    tail, repair = evaluation.tail, evaluation.repair
     results = {}
     for (mapper, fit_report), (source, target), name in zip(
         fits, [(small, large), (large, small)], ("0.5B->1.5B", "1.5B->0.5B")
     ):
         tuning = None
-        if tune_steps:
-            mapper, tuning = tune_mapper(mapper, source, target, None, TuneConfig(tune_steps))
+        if recipe.tuning is not None:
+            mapper, tuning = tune_mapper(mapper, source, target, None, recipe.tuning)
         report = evaluate(
             mapper, source, target, eval_ids, prefix_len, continuation, tail, runs, repair
         )

@@ -109,12 +109,8 @@ def fit_tiny_mapper(
 ):
     """A source -> target mapper fitted on six random windows of 64 tokens (no sink tokens;
     rank: a reduced-rank mapper instead)."""
-    from sgl_kvmap.fitting.calibrate import (
-        CalibrationConfig,
-        PairStatistics,
-        content_features,
-        fit_from_statistics,
-    )
+    from sgl_kvmap.fitting.calibrate import PairStatistics, content_features, fit_from_statistics
+    from sgl_kvmap.fitting.config import CalibrationConfig
     from sgl_kvmap.models.capture import capture_kv
 
     stats = PairStatistics(source.spec, target.spec)

@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from sgl_kvmap.cli import main
-from sgl_kvmap.fitting.tune import FAMILY_RATES
+from sgl_kvmap.fitting.config import FAMILY_RATES
 
 from .conftest import save_loaded
 

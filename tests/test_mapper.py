@@ -9,12 +9,8 @@ from sgl_kvmap.core.cache import KVCache
 from sgl_kvmap.core.errors import KVMapError
 from sgl_kvmap.core.rope import rope, unrope
 from sgl_kvmap.core.spec import tables_for_spec
-from sgl_kvmap.fitting.calibrate import (
-    CalibrationConfig,
-    PairStatistics,
-    content_features,
-    fit_from_statistics,
-)
+from sgl_kvmap.fitting.calibrate import PairStatistics, content_features, fit_from_statistics
+from sgl_kvmap.fitting.config import CalibrationConfig
 from sgl_kvmap.models.capture import capture_kv
 
 from .conftest import tiny_model

@@ -17,10 +17,11 @@ from sgl_kvmap.fitting.calibrate import (
     collect_statistics,
     fit_from_statistics,
 )
+from sgl_kvmap.fitting.config import TuneConfig
 from sgl_kvmap.fitting.default_pair import LARGE, SMALL, ensure_model
 from sgl_kvmap.fitting.evaluate import EvalRuns
 from sgl_kvmap.fitting.texts import default_eval_files, eval_windows, stdlib_files
-from sgl_kvmap.fitting.tune import TuneConfig, tune_mapper
+from sgl_kvmap.fitting.tune import tune_mapper
 from sgl_kvmap.models.capture import run
 
 pytestmark = pytest.mark.realpair

@@ -12,7 +12,8 @@ from sgl_kvmap.core.mapper import KVMapper
 from sgl_kvmap.core.residual import initial_residual, output_rates
 from sgl_kvmap.core.rope import rope
 from sgl_kvmap.core.spec import tables_for_spec
-from sgl_kvmap.fitting.tune import TuneConfig, _frozen, _trainable, continuation_loss, tune_mapper
+from sgl_kvmap.fitting.config import TuneConfig
+from sgl_kvmap.fitting.tune import _frozen, _trainable, continuation_loss, tune_mapper
 from sgl_kvmap.models.capture import capture_kv
 
 from .conftest import fit_tiny_mapper, with_random_residual

@@ -7,10 +7,9 @@ import torch
 
 from sgl_kvmap.core.errors import KVMapError
 from sgl_kvmap.core.mapper import KVMapper
+from sgl_kvmap.fitting.config import FAMILY_RATES, TuneConfig
 from sgl_kvmap.fitting.evaluate import EvalRuns, continuation_scores
 from sgl_kvmap.fitting.tune import (
-    FAMILY_RATES,
-    TuneConfig,
     _copy,
     _frozen,
     _warmup,

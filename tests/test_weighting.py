@@ -7,7 +7,8 @@ from sgl_kvmap.core.errors import KVMapError
 from sgl_kvmap.core.fit import fit_affine
 from sgl_kvmap.core.stats import Moments, moments_from_tensors, moments_to_tensors, residuals
 from sgl_kvmap.core.token_weights import attention_paid, attention_received, token_weights
-from sgl_kvmap.fitting.calibrate import CalibrationConfig, CalibrationState, collect_many
+from sgl_kvmap.fitting.calibrate import CalibrationState, collect_many
+from sgl_kvmap.fitting.config import CalibrationConfig
 from sgl_kvmap.models.capture import run
 
 from .conftest import tiny_model

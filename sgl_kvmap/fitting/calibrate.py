@@ -42,64 +42,11 @@ from ..core.rope import unrope
 from ..core.spec import ModelSpec, check_pair, tables_for_spec
 from ..core.stats import Moments, moments_from_tensors, moments_to_tensors
 from ..core.token_weights import attention_received, token_weights
-from ..models.capture import LoadedModel, load_model, run
+from ..models.capture import LoadedModel, loaded, run
+from .config import AUTO_K, CalibrationConfig
 from .texts import calibration_windows, expand_paths, shuffled, stdlib_files
 
 log = logging.getLogger(__name__)
-
-
-AUTO_K = ("auto", "auto-layer")
-
-
-@dataclass(frozen=True)
-class CalibrationConfig:
-    """How calibration text is read and used.
-
-    tokens: total calibration tokens (train + held-out). window: tokens per forward (each
-    window starts at position 0). skip_first: leading tokens of each window left out of the
-    statistics (attention sinks). stride: keep every stride-th token. heldout_every: every
-    n-th window is held out for choosing k, drawn from every n-th calibration file (files are
-    never split between training and held-out). attention_power: weight each token by
-    (attention the target pays it, relative to uniform) ** power; 0 = unweighted.
-    ridge: lambda on the un-normalised centred Gram,
-    or, with ridge_relative, a multiple of its mean diagonal. top_k: an int, "auto" (one k
-    for all layers) or "auto-layer" (k per target layer); both autos take the smallest k
-    whose held-out R^2 is within k_tolerance of the best. sink_tokens: leading tokens
-    the target computes itself at transfer time (recorded in the pack). rank: fit a
-    reduced-rank map instead (every target layer reads all source layers through one shared
-    projection to ``rank`` dimensions; top_k is then unused): an int, or "auto" (the smallest
-    of 128, 256, 512, ... whose held-out R^2 is within k_tolerance of the best, unless the
-    k-layer map chosen by top_k beats it by more than k_tolerance: then that one).
-    """
-
-    tokens: int = 16384
-    window: int = 512
-    skip_first: int = 1
-    stride: int = 1
-    heldout_every: int = 8
-    ridge: float = 0.01
-    ridge_relative: bool = False
-    top_k: int | str = "auto"
-    k_tolerance: float = 0.01
-    sink_tokens: int = 4
-    per_file_tokens: int = 2048
-    attention_power: float = 0.0
-    rank: int | str | None = None
-
-    def __post_init__(self) -> None:
-        if self.rank not in (None, "auto") and not (isinstance(self.rank, int) and self.rank >= 1):
-            raise KVMapError(f"rank must be 'auto' or a positive int, got {self.rank!r}")
-        if self.top_k not in AUTO_K and not (isinstance(self.top_k, int) and self.top_k >= 1):
-            raise KVMapError(f"top_k must be one of {AUTO_K} or a positive int, got {self.top_k!r}")
-        if self.tokens < 2 * self.window:
-            raise KVMapError(
-                f"need at least two windows of calibration ({2 * self.window} tokens), "
-                f"got {self.tokens}"
-            )
-        if not 0 <= self.skip_first < self.window or self.stride < 1 or self.heldout_every < 2:
-            raise KVMapError("invalid skip_first / stride / heldout_every")
-        if self.attention_power < 0:
-            raise KVMapError(f"attention_power must be >= 0, got {self.attention_power}")
 
 
 @dataclass
@@ -232,7 +179,7 @@ def fit_mapper(
     ``calibration``: files/folders; default: the Python standard library's sources.
     Returns one (mapper, report) per direction, source -> target first.
     """
-    src, tgt = _loaded(source), _loaded(target)
+    src, tgt = loaded(source), loaded(target)
     check_pair(src.spec, tgt.spec)
     windows = calibration_token_windows(src.tokenizer, calibration, config)
     state = collect_statistics(src, tgt, windows, config, both_directions)
@@ -308,7 +255,7 @@ def calibration_token_windows(
     every = config.heldout_every
     train_files, heldout_files = calibration_files(calibration, every)
     streams = {
-        held: calibration_windows(tokenizer, subset, config.window, 2**62, config.per_file_tokens)
+        held: calibration_windows(tokenizer, subset, config.window, config.per_file_tokens)
         for held, subset in ((False, train_files), (True, heldout_files))
     }
     planned = config.tokens // config.window
@@ -577,7 +524,3 @@ def _smallest_within(r2_by_k: dict, tolerance: float) -> int:
 def _recipe(config: CalibrationConfig) -> dict[str, Any]:
     """Everything in the config that shaped the fit (tokens and text are recorded apart)."""
     return {key: value for key, value in asdict(config).items() if key != "tokens"}
-
-
-def _loaded(model: str | LoadedModel) -> LoadedModel:
-    return model if isinstance(model, LoadedModel) else load_model(str(model))

@@ -23,6 +23,7 @@ from ..core.rope import unrope
 from ..core.spec import check_models, tables_for_spec
 from ..models.capture import LoadedModel, run
 from ..models.transfer import Repair, draft_anchors, handoff_split, translate_prefix
+from .config import EvalConfig
 
 INTERVAL_LEVEL = 0.9  # of the ratios' bootstrap intervals over windows
 BOOTSTRAP_DRAWS = 4000
@@ -363,7 +364,7 @@ def evaluate(
     windows: list[torch.Tensor],
     prefix_len: int,
     continuation: int,
-    tail: int = 32,
+    tail: int = EvalConfig.tail,
     runs: EvalRuns | None = None,
     repair: Repair | None = None,
 ) -> EvalReport:

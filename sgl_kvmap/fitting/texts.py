@@ -103,25 +103,27 @@ def shuffled(files: Iterable[Path], seed: str = "sgl-kvmap") -> list[Path]:
 
 
 def calibration_windows(
-    tokenizer, files: list[Path], window: int, max_tokens: int, per_file: int = 2048
+    tokenizer, files: list[Path], window: int, per_file: int, max_tokens: int | None = None
 ) -> Iterator[torch.Tensor]:
     """Windows ``[window]`` of token ids from a stream of files (at most ``per_file`` tokens each),
-    in shuffled file order, until ``max_tokens`` tokens have been yielded."""
+    in shuffled file order, until ``max_tokens`` tokens have been yielded (None: until the files
+    run out)."""
+    limit = float("inf") if max_tokens is None else max_tokens
     buffer: list[int] = []
     produced = 0
     for path in shuffled(files):
         buffer += _tokens(tokenizer, path)[:per_file]
-        while len(buffer) >= window and produced + window <= max_tokens:
+        while len(buffer) >= window and produced + window <= limit:
             yield torch.tensor(buffer[:window])
             buffer = buffer[window:]
             produced += window
-        if produced + window > max_tokens:
+        if produced + window > limit:
             return
 
 
 def prompt_of_length(tokenizer, tokens: int) -> torch.Tensor:
     """A prompt of exactly ``tokens: [tokens]`` ids of real text (stdlib sources), for timing."""
-    return next(calibration_windows(tokenizer, stdlib_files(), tokens, tokens, per_file=tokens))
+    return next(calibration_windows(tokenizer, stdlib_files(), tokens, tokens, tokens))
 
 
 def eval_windows(tokenizer, files: list[Path], length: int, count: int) -> list[torch.Tensor]:

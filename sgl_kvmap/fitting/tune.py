@@ -41,73 +41,8 @@ from ..core.spec import check_models
 from ..models.capture import LoadedModel, capture_kv, logits_over, run
 from ..models.transfer import handoff_split, mapped_prefix
 from .calibrate import calibration_files
+from .config import TuneConfig
 from .texts import calibration_windows, code_corpus_files
-
-OBJECTIVES = ("nll", "kl")
-# the relative rate each map family takes when TuneConfig.lr is None: the rates that tuned the
-# real pair's maps smoothly. A reduced-rank map's shared projection moves every target layer
-# at once, and 1e-4 threw it off where a lower rate tuned it (see docs/LOG.md).
-FAMILY_RATES = {"k-layer": 1e-4, "reduced-rank": 3e-5}
-
-
-@dataclass(frozen=True)
-class TuneConfig:
-    """How to tune. Each step reads one window of ``prompt_len + continuation`` calibration
-    tokens (training files only): the prompt is translated, the loss is the target's mean
-    cross-entropy on the ``continuation`` tokens after it (``objective="nll"``) or the mean
-    KL divergence of its next-token distribution there from the one it has on its own cache of
-    the prompt (``"kl"``). Held-out windows always score the NLL on the true tokens.
-    Adam with a relative learning rate: each tensor's step size is ``lr`` x its RMS before
-    tuning (a reduced-rank map's per-layer weights are much smaller than a k-layer map's, and
-    its biases of K much larger: one absolute rate cannot suit them all; see docs/LOG.md).
-    ``lr=None``: the mapper family's rate (``FAMILY_RATES``).
-    The rate rises linearly over the first ``warmup`` steps (Adam's first steps move every
-    weight by about the full rate, whatever its gradient's size; without warmup they threw a
-    reduced-rank map off: see docs/LOG.md).
-    ``tail``: the hand-off recomputes the prompt's last ``tail`` tokens (``transfer.handoff``'s
-    tail) in training and held-out scoring alike, so the map is tuned for that hand-off.
-    Every ``eval_every`` steps (and at the end) the map is scored on ``heldout_windows``
-    windows from the held-out files (every ``heldout_every``-th file, as the fit splits them).
-    ``residual_hidden`` > 0: a reduced-rank map without a residual gets one of that width
-    (``residual.initial_residual``: zero output, so step 0 is the fitted map), trained with
-    the rest; its output matrices step as far in output as the linear weights of their layer.
-    """
-
-    steps: int = 60
-    lr: float | None = None
-    prompt_len: int = 1024
-    continuation: int = 128
-    eval_every: int = 15
-    heldout_windows: int = 6
-    heldout_every: int = 8
-    per_file_tokens: int = 4096
-    objective: str = "nll"
-    warmup: int = 20
-    tail: int = 0
-    residual_hidden: int = 0
-
-    def __post_init__(self) -> None:
-        if self.objective not in OBJECTIVES:
-            raise KVMapError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
-        if self.steps < 1 or self.eval_every < 1 or self.heldout_windows < 1:
-            raise KVMapError(f"need steps, eval_every and heldout_windows >= 1, got {self}")
-        if self.warmup < 0 or self.residual_hidden < 0:
-            raise KVMapError(f"need warmup and residual_hidden >= 0, got {self}")
-        if not 0 <= self.tail < self.prompt_len - 1:
-            raise KVMapError(f"need 0 <= tail < prompt_len - 1, got {self.tail}")
-        if (self.lr is not None and self.lr <= 0) or self.prompt_len < 2 or self.continuation < 1:
-            raise KVMapError(f"need lr > 0, prompt_len >= 2 and continuation >= 1, got {self}")
-
-    def for_mapper(self, mapper: KVMapper) -> TuneConfig:
-        """This config with ``lr`` set to ``mapper``'s family rate if it is None."""
-        if self.lr is not None:
-            return self
-        return replace(self, lr=FAMILY_RATES[family(mapper)])
-
-
-def family(mapper: KVMapper) -> str:
-    """The map's family: "reduced-rank" (a shared projection) or "k-layer" (k source layers)."""
-    return "k-layer" if mapper.projections is None else "reduced-rank"
 
 
 @dataclass
@@ -215,7 +150,7 @@ def tuning_windows(tokenizer, calibration, config: TuneConfig):
     train_files, heldout_files = calibration_files(text, config.heldout_every)
 
     def windows(files):
-        return calibration_windows(tokenizer, files, length, 2**62, config.per_file_tokens)
+        return calibration_windows(tokenizer, files, length, config.per_file_tokens)
 
     heldout = [w for _, w in zip(range(config.heldout_windows), windows(heldout_files))]
     if len(heldout) < config.heldout_windows:

@@ -49,6 +49,11 @@ def load_model(
     return LoadedModel(model, tokenizer, spec)
 
 
+def loaded(model: str | LoadedModel) -> LoadedModel:
+    """``model`` itself if it is loaded, else ``load_model(model)``."""
+    return model if isinstance(model, LoadedModel) else load_model(str(model))
+
+
 @torch.inference_mode()
 def run(
     model: torch.nn.Module,
