@@ -143,7 +143,8 @@ def summary(scores, mapper, windows, prefix_len, continuation, page) -> dict:
         rows[name] = row
     return {
         "windows": windows, "prefix_len": prefix_len, "continuation": continuation,
-        "page_size": page, "sink_tokens": mapper.sink_tokens, "pack_k": mapper.k,
+        "page_size": page, "sink_tokens": mapper.sink_tokens,
+        "pack_k": mapper.source_layers_per_target,
         "pack_rank": mapper.rank, "conditions": rows,
         "by_window": {name: s for name, s in scores.items()},
     }  # fmt: skip

@@ -170,13 +170,14 @@ def scattered_pool(spec, tokens: int, device: str, seed: int) -> tuple[PagedKV, 
 def products_floor(mapper, source, positions, device):
     """The map's matrix products alone, on content features already on the device."""
     from sgl_kvmap.core.cache import KVCache
+    from sgl_kvmap.core.mapper import content_features
 
     cache = KVCache(
         [source[0, :, layer].to(device) for layer in range(mapper.source.num_layers)],
         [source[1, :, layer].to(device) for layer in range(mapper.source.num_layers)],
         positions.to(device),
     )
-    features = {k: f.to(torch.bfloat16) for k, f in mapper.content_features(cache).items()}
+    features = {k: f.to(torch.bfloat16) for k, f in content_features(cache, mapper.source).items()}
     return lambda: [mapper.content_products(kind, features[kind]) for kind in features]
 
 

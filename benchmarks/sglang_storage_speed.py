@@ -100,7 +100,8 @@ def main(pack, lengths, page, threads, prefill_up_to, out) -> None:
         })  # fmt: skip
         print(json.dumps(rows[-1]))
     result = {
-        "pack": str(pack), "pack_k": mapper.k, "pack_rank": mapper.rank, "page_size": page,
+        "pack": str(pack), "pack_k": mapper.source_layers_per_target, "pack_rank": mapper.rank,
+        "page_size": page,
         "threads": threads, "products_dtype": str(products).replace("torch.", ""),
         "cpu": platform.processor() or platform.machine(),
         "deadline": {"base": deadline.base, "per_ki_token": deadline.per_ki_token},

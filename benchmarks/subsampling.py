@@ -27,10 +27,10 @@ from pathlib import Path
 import click
 from tqdm.auto import tqdm
 
+from sgl_kvmap.core.mapper import content_features
 from sgl_kvmap.fitting.calibrate import (
     PairStatistics,
     calibration_token_windows,
-    content_features,
     fit_from_statistics,
     text_description,
 )

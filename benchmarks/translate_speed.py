@@ -63,11 +63,12 @@ def main(packs, token_counts, repeats, dtype, tail, repairs, out) -> None:
                 )  # fmt: skip
                 prefill = speed.prefill_seconds  # one re-prefill timing for every variant
                 rows.append({
-                    "pack": str(pack), "dtype": dtype, "k": mapper.k,
+                    "pack": str(pack), "dtype": dtype, "k": mapper.source_layers_per_target,
                     "sink_tokens": mapper.sink_tokens,
                     "repair": None if repair is None else str(repair), **speed.to_dict(),
                 })  # fmt: skip
-                print(f"{Path(pack).name:<16} {dtype} k={mapper.k:<3} {speed.line()}")
+                k = mapper.source_layers_per_target
+                print(f"{Path(pack).name:<16} {dtype} k={k:<3} {speed.line()}")
                 if repair is not None:
                     print(f"    {repair}: draft {speed.draft_seconds:.3f} s")
         del source, target

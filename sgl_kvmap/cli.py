@@ -454,7 +454,8 @@ def inspect(pack) -> None:
         f"target  {t.model_id}  layers {t.num_layers}  kv {t.num_kv_heads}x{t.head_dim}  "
         f"fingerprint {t.fingerprint[:16]}"
     )
-    click.echo(f"k {mapper.k}  ridge {mapper.ridge}  sink tokens {mapper.sink_tokens}")
+    k = mapper.source_layers_per_target
+    click.echo(f"k {k}  ridge {mapper.ridge}  sink tokens {mapper.sink_tokens}")
     click.echo("calibration " + json.dumps(mapper.info.get("calibration", {}), sort_keys=True))
     for key, value in sorted(mapper.info.get("metrics", {}).items()):
         click.echo(

@@ -7,6 +7,7 @@ import string
 import pytest
 import torch
 
+from sgl_kvmap.core.mapper import content_features
 from sgl_kvmap.core.spec import spec_from_config
 from sgl_kvmap.models.capture import LoadedModel
 
@@ -109,7 +110,7 @@ def fit_tiny_mapper(
 ):
     """A source -> target mapper fitted on six random windows of 64 tokens (no sink tokens;
     rank: a reduced-rank mapper instead)."""
-    from sgl_kvmap.fitting.calibrate import PairStatistics, content_features, fit_from_statistics
+    from sgl_kvmap.fitting.calibrate import PairStatistics, fit_from_statistics
     from sgl_kvmap.fitting.config import CalibrationConfig
     from sgl_kvmap.models.capture import capture_kv
 
@@ -137,7 +138,7 @@ def with_random_residual(mapper, cache, hidden: int = 8):
     from sgl_kvmap.core.residual import Residual, initial_residual
 
     generator = torch.Generator().manual_seed(7)
-    features = mapper.content_features(cache)
+    features = content_features(cache, mapper.source)
     residuals = {}
     for kind in ("k", "v"):
         z = features[kind] @ mapper.projections[kind]

@@ -7,9 +7,10 @@ import torch
 
 from sgl_kvmap.core.cache import KVCache
 from sgl_kvmap.core.errors import KVMapError
+from sgl_kvmap.core.mapper import content_features
 from sgl_kvmap.core.rope import rope, unrope
 from sgl_kvmap.core.spec import tables_for_spec
-from sgl_kvmap.fitting.calibrate import PairStatistics, content_features, fit_from_statistics
+from sgl_kvmap.fitting.calibrate import PairStatistics, fit_from_statistics
 from sgl_kvmap.fitting.config import CalibrationConfig
 from sgl_kvmap.models.capture import capture_kv
 
@@ -190,7 +191,7 @@ def low_rank_problem(tiny_pair):
 def test_reduced_rank_recovers_a_low_rank_map_through_its_projection(low_rank_problem):
     source, target, factors, stats = low_rank_problem
     mapper, report = fit_from_statistics(stats, CalibrationConfig(ridge=1e-6, rank=3))
-    assert mapper.rank == 3 and mapper.k == source.spec.num_layers
+    assert mapper.rank == 3 and mapper.source_layers_per_target == source.spec.num_layers
     assert mapper.projections["k"].shape == (source.spec.num_layers * source.spec.kv_width, 3)
     assert mapper.maps["v"][0].weight.shape == (3, target.spec.kv_width)
     assert min(report.r2_k) > 0.999 and min(report.r2_v) > 0.999

@@ -5,9 +5,9 @@ import torch
 
 from sgl_kvmap.core import pack
 from sgl_kvmap.core.errors import PackError, PairMismatchError
-from sgl_kvmap.core.mapper import KVMapper
+from sgl_kvmap.core.mapper import KVMapper, content_features
 from sgl_kvmap.core.spec import check_models
-from sgl_kvmap.fitting.calibrate import PairStatistics, content_features, fit_from_statistics
+from sgl_kvmap.fitting.calibrate import PairStatistics, fit_from_statistics
 from sgl_kvmap.fitting.config import CalibrationConfig
 from sgl_kvmap.models.capture import capture_kv
 

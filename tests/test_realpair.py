@@ -97,7 +97,7 @@ def test_translated_cache_beats_no_prefix(reports, direction):
 
 def test_a_reduced_rank_map_on_the_real_pair(reduced, reports, pair, eval_runs, tmp_path):
     mapper, report = reduced
-    assert mapper.rank == report.rank == 512 and mapper.k == 24
+    assert mapper.rank == report.rank == 512 and mapper.source_layers_per_target == 24
     assert report.heldout["k"] > FLOORS["rank_r2_k"] and report.heldout["v"] > FLOORS["rank_r2_v"]
     windows, runs = eval_runs
     r = evaluate(mapper, *pair, windows, PREFIX, CONTINUATION, TAIL, runs)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from sgl_kvmap.core.errors import KVMapError, PackError
-from sgl_kvmap.core.mapper import KVMapper
+from sgl_kvmap.core.mapper import KVMapper, content_features
 from sgl_kvmap.core.residual import initial_residual, output_rates
 from sgl_kvmap.core.rope import rope
 from sgl_kvmap.core.spec import tables_for_spec
@@ -33,7 +33,7 @@ def source_cache(tiny_pair, tokens: int = 30, seed: int = 0):
 
 def test_the_zero_start_is_exactly_the_linear_map_with_unit_pre_activations(tiny_pair, reduced):
     cache = source_cache(tiny_pair)
-    z = reduced.content_features(cache)["k"] @ reduced.projections["k"]
+    z = content_features(cache, reduced.source)["k"] @ reduced.projections["k"]
     start = initial_residual(z, 8, reduced.target.num_layers, reduced.target.kv_width)
     assert (z @ start.weight_in).pow(2).mean().sqrt().item() == pytest.approx(1.0, rel=1e-5)
     plain = reduced.map(cache)
@@ -46,7 +46,8 @@ def test_map_adds_gelu_of_the_projected_features_to_every_layer(tiny_pair, reduc
     """y_l = z W_l + b_l + gelu(z A + c) B_l in content space, keys re-roped at their positions."""
     cache = source_cache(tiny_pair)
     mapper = with_random_residual(reduced, cache)
-    features, got, plain = mapper.content_features(cache), mapper.map(cache), reduced.map(cache)
+    features = content_features(cache, mapper.source)
+    got, plain = mapper.map(cache), reduced.map(cache)
     assert not torch.allclose(got.values[1], plain.values[1])  # the residual moved it
     tables = tables_for_spec(mapper.target, cache.positions)
     shape = (len(cache), mapper.target.num_kv_heads, mapper.target.head_dim)
@@ -105,7 +106,7 @@ def test_output_rates_match_a_linear_step_in_output_size(tiny_pair, reduced):
     the layer's linear rate on W_l does (both as the norm of one token's output change, for
     steps of random sign)."""
     z = (
-        reduced.content_features(source_cache(tiny_pair, tokens=400))["k"]
+        content_features(source_cache(tiny_pair, tokens=400), reduced.source)["k"]
         @ reduced.projections["k"]
     )
     residual = initial_residual(z, 64, 1, 256)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,22 @@ def default_matmul_dtype(cache_dtype: torch.dtype) -> torch.dtype:
     """The dtype a map's matrix products run in for a cache of ``cache_dtype``: the cache's own
     if it is a 16-bit float (as an engine's GEMMs run), else float32."""
     return cache_dtype if cache_dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
+def content_features(
+    cache: KVCache, spec: ModelSpec, rows: slice = slice(None)
+) -> dict[str, torch.Tensor]:
+    """{"k", "v"}: [t, L * w] float32, every layer's RoPE-free keys (values) side by side,
+    layer-major (w = spec.kv_width), for the ``rows`` (t of them) of ``cache``: L x [T, kv_heads,
+    head_dim], post-RoPE, of the model ``spec`` describes. The input of a map
+    (``KVMapper.content_products``) and of the statistics a map is fitted on."""
+    positions = cache.positions[rows]
+    tables, t = tables_for_spec(spec, positions), positions.numel()
+    keys = [unrope(k[rows].float(), tables, spec.rope_style) for k in cache.keys]
+    return {
+        "k": torch.cat([k.reshape(t, -1) for k in keys], dim=1),
+        "v": torch.cat([v[rows].float().reshape(t, -1) for v in cache.values], dim=1),
+    }
 
 
 @dataclass
@@ -54,8 +71,8 @@ class KVMapper:
         self._stack_cache: dict = {}
 
     @property
-    def k(self) -> int:
-        """Source layers per target layer (the largest, if layers differ)."""
+    def source_layers_per_target(self) -> int:
+        """Source layers each target layer reads (the largest number, if layers differ)."""
         return max(len(s) for s in self.selection)
 
     @property
@@ -123,7 +140,7 @@ class KVMapper:
         matmul_dtype = matmul_dtype or default_matmul_dtype(source_cache.keys[0].dtype)
         positions, t = source_cache.positions, len(source_cache)
         tgt_tables = tables_for_spec(self.target, positions)
-        features = self.content_features(source_cache)
+        features = content_features(source_cache, self.source)
         mapped = {kind: [None] * self.target.num_layers for kind in KINDS}
         for kind in KINDS:
             for layers, y_all in self.content_products(kind, features[kind].to(matmul_dtype)):
@@ -138,34 +155,27 @@ class KVMapper:
         values = [v.to(source_cache.values[0].dtype) for v in mapped["v"]]
         return KVCache(keys, values, positions)
 
-    def content_features(self, source_cache: KVCache) -> dict[str, torch.Tensor]:
-        """{"k", "v"}: [t, Ls * ws] float32, every source layer's RoPE-free keys (values) of
-        ``source_cache`` (Ls x [t, kv_s, d_s], post-RoPE) side by side, layer-major: the input
-        of ``content_products``."""
-        self._check_source(source_cache)
-        t, tables = len(source_cache), tables_for_spec(self.source, source_cache.positions)
-        keys = [unrope(k.float(), tables, self.source.rope_style) for k in source_cache.keys]
-        return {
-            "k": torch.cat([k.reshape(t, -1) for k in keys], dim=1),
-            "v": torch.cat([v.float().reshape(t, -1) for v in source_cache.values], dim=1),
-        }
-
     def to(self, device: torch.device | str) -> KVMapper:
         """This mapper with its weights on ``device`` (a new mapper; this one is unchanged).
         Pools translated on a GPU need the mapper there too."""
+        return self.apply(lambda tensor: tensor.to(device))
+
+    def apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> KVMapper:
+        """A new mapper whose every weight tensor (maps, projections, residuals) is
+        ``fn(tensor)``, with a copy of this one's ``info``; this one is unchanged."""
         maps = {
-            kind: [LayerMap(m.weight.to(device), m.bias.to(device)) for m in layers]
+            kind: [LayerMap(fn(m.weight), fn(m.bias)) for m in layers]
             for kind, layers in self.maps.items()
         }
         projections = (
             None
             if self.projections is None
-            else {kind: p.to(device) for kind, p in self.projections.items()}
+            else {kind: fn(p) for kind, p in self.projections.items()}
         )
         residuals = (
             None
             if self.residuals is None
-            else {kind: r.apply(lambda t: t.to(device)) for kind, r in self.residuals.items()}
+            else {kind: r.apply(fn) for kind, r in self.residuals.items()}
         )
         return replace(
             self, maps=maps, projections=projections, residuals=residuals,
@@ -203,7 +213,7 @@ class KVMapper:
         """The map's matrix products in content space, in ``features``' dtype.
 
         features: [t, Ls * ws], every source layer's RoPE-free ``kind`` ("k" or "v") features,
-        layer-major (``ws`` = source kv_width; ``content_features``). Returns one (target
+        layer-major (``ws`` = source kv_width; ``mapper.content_features``). Returns one (target
         layers, [t, len(layers) * wt]) pair per group of target layers that read the same source
         layers: the layers' content-space outputs side by side, in the order listed, the
         non-linear residual (if the mapper has one) included. Shared by ``map`` and the

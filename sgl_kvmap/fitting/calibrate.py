@@ -21,7 +21,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from ..core.cache import KVCache
 from ..core.errors import KVMapError
 from ..core.fit import (
     KINDS,
@@ -37,9 +36,8 @@ from ..core.fit import (
     probe_scores,
     top_k_selection,
 )
-from ..core.mapper import KVMapper
-from ..core.rope import unrope
-from ..core.spec import ModelSpec, check_pair, tables_for_spec
+from ..core.mapper import KVMapper, content_features
+from ..core.spec import ModelSpec, check_pair
 from ..core.stats import Moments, moments_from_tensors, moments_to_tensors
 from ..core.token_weights import attention_received, token_weights
 from ..models.capture import LoadedModel, loaded, run
@@ -354,16 +352,37 @@ def _weights(received: torch.Tensor | None, power: float) -> torch.Tensor | None
     return None if power == 0 else token_weights(received, power)
 
 
-def content_features(cache: KVCache, spec: ModelSpec, rows: slice) -> dict[str, torch.Tensor]:
-    """All layers' RoPE-stripped K and raw V side by side: kind -> [tokens, layers * kv_width]."""
-    cache = cache.slice(rows.start or 0)
-    tables = tables_for_spec(spec, cache.positions)
-    keys = [unrope(k, tables, spec.rope_style) for k in cache.keys]
-    step = rows.step or 1
-    return {
-        "k": torch.cat([k.reshape(len(cache), -1) for k in keys], 1)[::step],
-        "v": torch.cat([v.reshape(len(cache), -1) for v in cache.values], 1)[::step],
-    }
+@dataclass(frozen=True)
+class _FitInputs:
+    """What either map family is fitted from: one direction's statistics (``everything``: its
+    training and held-out moments merged, for the final maps), the settings, the geometry and
+    ridge they give, and what the pack records (``recipe``, ``capture_seconds``)."""
+
+    split: PairStatistics
+    everything: dict[str, Moments]
+    config: CalibrationConfig
+    geo: Geometry
+    ridge: Ridge
+    recipe: dict | None
+    capture_seconds: float
+
+    def report(self, started: float, **measured) -> FitReport:
+        """The fit's report: what it ``measured``, these statistics' token counts, the capture
+        time and the time since ``started``."""
+        return FitReport(
+            train_tokens=round(self.split.train["k"].n),
+            heldout_tokens=round(self.split.heldout["k"].n),
+            capture_seconds=self.capture_seconds,
+            solve_seconds=time.perf_counter() - started,
+            **measured,
+        )
+
+    def mapper(self, selection, maps, report: FitReport, projections=None) -> KVMapper:
+        """The fitted mapper, with the settings and the report the pack records."""
+        return KVMapper(
+            self.split.source, self.split.target, selection, maps, self.config.ridge,
+            self.config.sink_tokens, _info(self.recipe, report), projections=projections,
+        )  # fmt: skip
 
 
 def fit_from_statistics(
@@ -383,13 +402,13 @@ def fit_from_statistics(
     ridge = Ridge(config.ridge, config.ridge_relative)
     # the final maps are fitted on train + held-out: merged once, whichever family is fitted
     everything = {kind: split.train[kind].merged(split.heldout[kind]) for kind in KINDS}
-    common = (split, everything, config, geo, ridge, recipe, capture_seconds)
+    inputs = _FitInputs(split, everything, config, geo, ridge, recipe, capture_seconds)
     if config.rank is None:
-        return _fit_k_layers(*common, started)
-    reduced = _fit_reduced_rank(*common, started)
+        return _fit_k_layers(inputs, started)
+    reduced = _fit_reduced_rank(inputs, started)
     if config.rank != "auto":
         return reduced
-    k_layers = _fit_k_layers(*common, time.perf_counter())
+    k_layers = _fit_k_layers(inputs, time.perf_counter())
     return _better_map(reduced, k_layers, config.k_tolerance)
 
 
@@ -409,8 +428,9 @@ def _better_map(reduced, k_layers, tolerance: float) -> tuple[KVMapper, FitRepor
     return mapper, report
 
 
-def _fit_k_layers(split, everything, config, geo, ridge, recipe, capture_seconds, started):
+def _fit_k_layers(inputs: _FitInputs, started: float) -> tuple[KVMapper, FitReport]:
     """fit_from_statistics for k selected source layers per target layer."""
+    split, config, geo, ridge = inputs.split, inputs.config, inputs.geo, inputs.ridge
     source, target = split.source, split.target
     scores = probe_scores(split.train, geo, ridge)
     ks = (
@@ -422,9 +442,8 @@ def _fit_k_layers(split, everything, config, geo, ridge, recipe, capture_seconds
     for k in tqdm(
         ks, desc=f"choosing k ({source.num_layers}->{target.num_layers} layers)", unit="k"
     ):
-        per_layer[k] = heldout_r2(
-            split.train, split.heldout, top_k_selection(scores, k), geo, ridge
-        )
+        selected = top_k_selection(scores, k)
+        per_layer[k] = heldout_r2(split.train, split.heldout, selected, geo, ridge)
         per_k[k] = {kind: per_layer[k][kind].mean().item() for kind in KINDS}
     layer_ks = _choose_layer_ks(per_k, per_layer, config)
     selection = [top_k_selection(scores, k)[layer] for layer, k in enumerate(layer_ks)]
@@ -433,16 +452,13 @@ def _fit_k_layers(split, everything, config, geo, ridge, recipe, capture_seconds
         per_k["chosen"] = {kind: per_layer["chosen"][kind].mean().item() for kind in KINDS}
     chosen = "chosen" if config.top_k == "auto-layer" else layer_ks[0]
     heldout = per_k[chosen]
-    maps = fit_maps(everything, selection, geo, ridge)
-    report = FitReport(
-        chosen_k=max(layer_ks), layer_ks=layer_ks, per_k=per_k, probe_scores=scores.float(),
-        r2_k=per_layer[chosen]["k"].tolist(), r2_v=per_layer[chosen]["v"].tolist(),
-        train_tokens=round(split.train["k"].n), heldout_tokens=round(split.heldout["k"].n),
-        capture_seconds=capture_seconds, solve_seconds=time.perf_counter() - started,
+    maps = fit_maps(inputs.everything, selection, geo, ridge)
+    report = inputs.report(
+        started, chosen_k=max(layer_ks), layer_ks=layer_ks, per_k=per_k,
+        probe_scores=scores.float(), r2_k=per_layer[chosen]["k"].tolist(),
+        r2_v=per_layer[chosen]["v"].tolist(),
     )  # fmt: skip
-    mapper = KVMapper(
-        source, target, selection, maps, config.ridge, config.sink_tokens, _info(recipe, report)
-    )
+    mapper = inputs.mapper(selection, maps, report)
     log.info(
         "fitted %s -> %s: k=%s, held-out R2 K %.3f V %.3f",
         source.model_id,
@@ -454,31 +470,32 @@ def _fit_k_layers(split, everything, config, geo, ridge, recipe, capture_seconds
     return mapper, report
 
 
-def _fit_reduced_rank(split, everything, config, geo, ridge, recipe, capture_seconds, started):
+def _fit_reduced_rank(inputs: _FitInputs, started: float) -> tuple[KVMapper, FitReport]:
     """fit_from_statistics for ``config.rank``: held-out R^2 of the train-fitted maps, then the
     final maps on all windows."""
+    split, config, geo, ridge = inputs.split, inputs.config, inputs.geo, inputs.ridge
     ranks = candidate_ranks(geo) if config.rank == "auto" else [config.rank]
     per_layer = heldout_r2_reduced(split.train, split.heldout, geo, ridge, ranks)
     per_rank = {r: {kind: v.mean().item() for kind, v in per_layer[r].items()} for r in ranks}
     rank = _smallest_within(per_rank, config.k_tolerance)
-    fitted = {kind: fit_reduced_rank(everything[kind], geo, ridge, rank) for kind in KINDS}
-    every = list(range(geo.source_layers))
-    report = FitReport(
-        chosen_k=geo.source_layers, layer_ks=[geo.source_layers] * geo.target_layers,
+    fitted = {kind: fit_reduced_rank(inputs.everything[kind], geo, ridge, rank) for kind in KINDS}
+    report = inputs.report(
+        started, chosen_k=geo.source_layers, layer_ks=[geo.source_layers] * geo.target_layers,
         per_k={"chosen": per_rank[rank], **{f"rank {r}": v for r, v in per_rank.items()}},
         probe_scores=torch.empty(0), r2_k=per_layer[rank]["k"].tolist(),
-        r2_v=per_layer[rank]["v"].tolist(),
-        train_tokens=round(split.train["k"].n), heldout_tokens=round(split.heldout["k"].n),
-        capture_seconds=capture_seconds, solve_seconds=time.perf_counter() - started, rank=rank,
+        r2_v=per_layer[rank]["v"].tolist(), rank=rank,
     )  # fmt: skip
-    mapper = KVMapper(
-        split.source, split.target, [every] * geo.target_layers,
-        maps={kind: [_float32(m) for m in fitted[kind][1]] for kind in KINDS},
-        ridge=config.ridge, sink_tokens=config.sink_tokens, info=_info(recipe, report),
+    mapper = inputs.mapper(
+        [list(range(geo.source_layers))] * geo.target_layers,
+        {kind: [_float32(m) for m in fitted[kind][1]] for kind in KINDS},
+        report,
         projections={kind: fitted[kind][0].float() for kind in KINDS},
-    )  # fmt: skip
-    log.info("fitted reduced-rank %d map: held-out R2 K %.3f V %.3f", rank,
-             *(report.heldout[kind] for kind in KINDS))  # fmt: skip
+    )
+    log.info(
+        "fitted reduced-rank %d map: held-out R2 K %.3f V %.3f",
+        rank,
+        *(report.heldout[kind] for kind in KINDS),
+    )
     return mapper, report
 
 

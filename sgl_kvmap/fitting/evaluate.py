@@ -278,6 +278,18 @@ def _percentile_interval(samples: torch.Tensor, level: float) -> tuple[float, fl
 
 
 @dataclass
+class _WindowScores:
+    """What one window measured. scores: condition -> (correct [C] bool, nll [C]); sse, sst:
+    kind -> [L, heads] float64, the translated K/V's squared error and the true K/V's total sum
+    of squares (sinks excluded); cosine: [L], the attention cosine per layer."""
+
+    scores: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    sse: dict[str, torch.Tensor]
+    sst: dict[str, torch.Tensor]
+    cosine: torch.Tensor
+
+
+@dataclass
 class _Accumulator:
     """Running sums over windows."""
 
@@ -290,16 +302,23 @@ class _Accumulator:
     windows: int = 0
     by_window: list = field(default_factory=list)
 
-    def add_scores(self, name: str, scores: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Add one condition's scores on the current window (number ``self.windows``)."""
-        correct, nll = scores
-        self.correct[name] = self.correct.get(name, 0) + correct.sum().item()
-        self.nll[name] = self.nll.get(name, 0.0) + nll.sum().item()
-        if len(self.by_window) == self.windows:
-            self.by_window.append({})
-        self.by_window[self.windows][name] = Quality(
-            correct.float().mean().item(), nll.mean().item()
+    def add(self, window: _WindowScores, tokens: int) -> None:
+        """Add one window's scores (``tokens`` continuation tokens per condition)."""
+        for name, (correct, nll) in window.scores.items():
+            self.correct[name] = self.correct.get(name, 0) + correct.sum().item()
+            self.nll[name] = self.nll.get(name, 0.0) + nll.sum().item()
+        self.by_window.append(
+            {
+                name: Quality(correct.float().mean().item(), nll.mean().item())
+                for name, (correct, nll) in window.scores.items()
+            }
         )
+        for kind in window.sse:
+            self.sse[kind] = self.sse.get(kind, 0) + window.sse[kind]
+            self.sst[kind] = self.sst.get(kind, 0) + window.sst[kind]
+        self.cosine = window.cosine if self.cosine is None else self.cosine + window.cosine
+        self.count += tokens
+        self.windows += 1
 
     def quality(self, name: str) -> Quality:
         return Quality(self.correct[name] / self.count, self.nll[name] / self.count)
@@ -387,10 +406,11 @@ def evaluate(
         raise ValueError("runs were made for other windows, prefix length or continuation")
     acc = _Accumulator()
     for i in tqdm(range(len(windows)), desc="evaluating", unit="win"):
-        _evaluate_window(
+        scores = _evaluate_window(
             mapper, runs.get(source, i), runs.get(target, i), source, target, runs, i, tail,
-            repair, acc,
+            repair,
         )  # fmt: skip
+        acc.add(scores, runs.continuation)
         if not shared:
             runs.forget(i)  # memory stays flat in the number of windows
     per_head_r2 = {kind: 1 - acc.sse[kind] / acc.sst[kind] for kind in ("k", "v")}
@@ -409,12 +429,10 @@ def evaluate(
 
 
 def _evaluate_window(
-    mapper, src: OwnRun, truth: OwnRun, source, target, runs: EvalRuns, i, tail, repair, acc
-):
+    mapper, src: OwnRun, truth: OwnRun, source, target, runs: EvalRuns, i, tail, repair
+) -> _WindowScores:
     window, prefix_len = runs.windows[i], runs.prefix_len
-    acc.add_scores("reference", truth.own)
-    acc.add_scores("source", src.own)
-    acc.add_scores("no_prefix", truth.no_prefix)
+    scores = {"reference": truth.own, "source": src.own, "no_prefix": truth.no_prefix}
     conditions = [("mapped", 0, None), ("mapped_tail", tail, None)]
     if repair is not None:
         conditions.append(("repaired", tail, repair))
@@ -427,11 +445,10 @@ def _evaluate_window(
         translated = translate_prefix(
             mapper, src.cache.slice(0, split), window[:split], target.model, anchors
         )
-        acc.add_scores(name, continuation_scores(target.model, translated, window, prefix_len))
+        scores[name] = continuation_scores(target.model, translated, window, prefix_len)
         if name == "mapped":
-            _add_layer_fidelity(acc, translated, truth, target, mapper.sink_tokens)
-    acc.count += runs.continuation
-    acc.windows += 1
+            fidelity = _layer_fidelity(translated, truth, target, mapper.sink_tokens)
+    return _WindowScores(scores, *fidelity)
 
 
 def continuation_scores(
@@ -451,7 +468,8 @@ def _scores(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, t
     return logits.argmax(-1) == labels, F.cross_entropy(logits, labels, reduction="none")
 
 
-def _add_layer_fidelity(acc: _Accumulator, translated: KVCache, truth: OwnRun, target, sinks: int):
+def _layer_fidelity(translated: KVCache, truth: OwnRun, target, sinks: int):
+    """(sse, sst, cosine) of a translated cache against the target's own (``_WindowScores``)."""
     spec = target.spec
     true_prefix = truth.cache.slice(sinks, len(translated))
     mapped = translated.slice(sinks)
@@ -463,20 +481,20 @@ def _add_layer_fidelity(acc: _Accumulator, translated: KVCache, truth: OwnRun, t
         ],
         "v": list(zip(mapped.values, true_prefix.values)),
     }
+    sse, sst = {}, {}
     for kind, layers in pairs.items():
-        sse = torch.stack([(m - t).double().square().sum((0, 2)) for m, t in layers])  # [L, heads]
-        sst = torch.stack(
+        # [L, heads] each
+        sse[kind] = torch.stack([(m - t).double().square().sum((0, 2)) for m, t in layers])
+        sst[kind] = torch.stack(
             [(t.double() - t.double().mean(0)).square().sum((0, 2)) for _, t in layers]
         )
-        acc.sse[kind] = acc.sse.get(kind, 0) + sse
-        acc.sst[kind] = acc.sst.get(kind, 0) + sst
-    cos = torch.tensor([
+    cosine = torch.tensor([
         _attention_cosine(q, k_true, v_true, k_map, v_map)
         for q, k_true, v_true, k_map, v_map in zip(
             truth.queries, truth.cache.keys, truth.cache.values, translated.keys, translated.values
         )
     ])  # fmt: skip
-    acc.cosine = cos if acc.cosine is None else acc.cosine + cos
+    return sse, sst, cosine
 
 
 def _attention_cosine(q, k_true, v_true, k_map, v_map) -> float:

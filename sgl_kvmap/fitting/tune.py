@@ -24,7 +24,6 @@ every backend applies it (it is part of ``KVMapper.content_products``).
 from __future__ import annotations
 
 import contextlib
-import copy
 import time
 from dataclasses import asdict, dataclass, field, replace
 
@@ -34,8 +33,8 @@ from tqdm.auto import tqdm
 
 from ..core.cache import KVCache
 from ..core.errors import KVMapError
-from ..core.fit import KINDS, LayerMap
-from ..core.mapper import KVMapper
+from ..core.fit import KINDS
+from ..core.mapper import KVMapper, content_features
 from ..core.residual import initial_residual, output_rates
 from ..core.spec import check_models
 from ..models.capture import LoadedModel, capture_kv, logits_over, run
@@ -267,22 +266,7 @@ def _score(mapper: KVMapper, target: LoadedModel, scored: list, config: TuneConf
 
 def _copy(mapper: KVMapper, trainable: bool = False) -> KVMapper:
     """A float32 copy of ``mapper`` with fresh weight tensors (requiring grad if ``trainable``)."""
-
-    def fresh(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.detach().float().clone().requires_grad_(trainable)
-
-    maps = {
-        kind: [LayerMap(fresh(m.weight), fresh(m.bias)) for m in mapper.maps[kind]]
-        for kind in KINDS
-    }
-    projections = (
-        None if mapper.projections is None else {k: fresh(p) for k, p in mapper.projections.items()}
-    )
-    residuals = mapper.residuals and {k: r.apply(fresh) for k, r in mapper.residuals.items()}
-    return replace(
-        mapper, maps=maps, projections=projections, residuals=residuals,
-        info=copy.deepcopy(mapper.info),
-    )  # fmt: skip
+    return mapper.apply(lambda tensor: tensor.detach().float().clone().requires_grad_(trainable))
 
 
 def _parameters(mapper: KVMapper) -> list[torch.Tensor]:
@@ -302,7 +286,7 @@ def _trainable(mapper: KVMapper, config: TuneConfig, cache: KVCache):
         return trainable, _relative_groups(_parameters(trainable), config.lr)
     if mapper.projections is None:
         raise KVMapError("a non-linear residual needs a reduced-rank map (fit with --rank)")
-    features = mapper.content_features(cache)
+    features = content_features(cache, mapper.source)
     with torch.no_grad():
         z = {kind: features[kind] @ mapper.projections[kind].float() for kind in KINDS}
     residuals = {

@@ -61,31 +61,18 @@ def run(
     past: KVCache | None = None,
     logits_to_keep: int = 0,
     want_queries: bool = False,
-    chunk_size: int | None = None,
 ) -> ForwardResult:
     """Prefill ``input_ids: [tokens]`` after ``past`` (positions continue from it).
 
-    ``logits_to_keep``: logits of the last N tokens (0: none). ``chunk_size`` bounds activation
-    memory for long inputs by prefilling in pieces (the result is the same).
+    ``logits_to_keep``: logits of the last N tokens (0: none).
     """
-    if input_ids.ndim != 1 or input_ids.numel() == 0:
-        raise ValueError(
-            f"input_ids must be a non-empty 1-D tensor, got shape {tuple(input_ids.shape)}"
-        )
-    chunks = input_ids.split(chunk_size or input_ids.numel())
-    logits, queries = [], []
-    cache = past
-    for i, chunk in enumerate(chunks):
-        keep = max(0, logits_to_keep - sum(c.numel() for c in chunks[i + 1 :]))
-        out, chunk_queries = _forward(model, chunk, cache, min(keep, chunk.numel()), want_queries)
-        cache = _from_hf(getattr(out, "cache", None) or out.past_key_values)
-        if keep:
-            logits.append(out.logits[0, -keep:].float())
-        queries.append(chunk_queries)
+    _check_ids(input_ids)
+    keep = min(logits_to_keep, input_ids.numel())
+    out, queries = _forward(model, input_ids, past, keep, want_queries)
     return ForwardResult(
-        logits=torch.cat(logits) if logits else None,
-        cache=cache,
-        queries=[torch.cat(q) for q in zip(*queries)] if want_queries else None,
+        logits=out.logits[0, -keep:].float() if keep else None,
+        cache=_from_hf(getattr(out, "cache", None) or out.past_key_values),
+        queries=queries,
     )
 
 
@@ -93,20 +80,15 @@ def logits_over(model: torch.nn.Module, cache: KVCache, input_ids: torch.Tensor)
     """Logits [tokens, vocab] (float32) of ``input_ids: [tokens]`` read after ``cache`` (positions
     continue from it), with autograd on: gradients flow back into the cache's tensors (freeze the
     model's own weights to leave them out). ``tune`` trains a mapper through this."""
-    if input_ids.ndim != 1 or input_ids.numel() == 0:
-        raise ValueError(
-            f"input_ids must be a non-empty 1-D tensor, got shape {tuple(input_ids.shape)}"
-        )
+    _check_ids(input_ids)
     with torch.enable_grad():
         out, _ = _forward(model, input_ids, cache, input_ids.numel(), want_queries=False)
     return out.logits[0].float()
 
 
-def capture_kv(
-    model: torch.nn.Module, input_ids: torch.Tensor, chunk_size: int | None = None
-) -> KVCache:
+def capture_kv(model: torch.nn.Module, input_ids: torch.Tensor) -> KVCache:
     """Post-RoPE K, V of every layer for ``input_ids: [tokens]`` at positions 0..tokens-1."""
-    return run(model, input_ids, chunk_size=chunk_size).cache
+    return run(model, input_ids).cache
 
 
 def first_layer_kv(
@@ -119,8 +101,7 @@ def first_layer_kv(
     exact and cheap for any number of tokens: the forward stops where layer 0 hands them to its
     cache, before any attention or MLP runs, and the model's own code computes them.
     """
-    if input_ids.ndim != 1 or input_ids.numel() == 0:
-        raise ValueError(f"input_ids must be a non-empty 1-D tensor, got {tuple(input_ids.shape)}")
+    _check_ids(input_ids)
     try:
         with torch.no_grad():
             model(
@@ -214,6 +195,13 @@ def forward_scattered(
     values = [_scatter_rows(v, total, positions, end) for v in fresh.values]
     logits = out.logits[0, -logits_to_keep:].float() if logits_to_keep else None
     return ForwardResult(logits, KVCache(keys, values, torch.arange(end)))
+
+
+def _check_ids(input_ids: torch.Tensor) -> None:
+    if input_ids.ndim != 1 or input_ids.numel() == 0:
+        raise ValueError(
+            f"input_ids must be a non-empty 1-D tensor, got shape {tuple(input_ids.shape)}"
+        )
 
 
 class _FirstLayerKV(Exception):
