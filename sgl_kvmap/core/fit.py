@@ -115,11 +115,7 @@ def top_k_selection(scores: torch.Tensor, k: int) -> list[list[int]]:
 
 def candidate_ks(source_layers: int) -> list[int]:
     """1, 2, 4, 8, ... below the source's layer count, then all of them."""
-    ks, k = [], 1
-    while k < source_layers:
-        ks.append(k)
-        k *= 2
-    return ks + [source_layers]
+    return _doubling(1, source_layers)
 
 
 def heldout_r2(
@@ -188,31 +184,30 @@ def heldout_r2_reduced(
     """Held-out R^2 per target layer (mean over heads) of reduced-rank maps fitted on ``train``,
     for every rank in ``ranks`` (one full fit and eigendecomposition per kind serve them all):
     rank -> kind -> [Lt]."""
-    x_cols = geo.source_cols(range(geo.source_layers))
+    every = [list(range(geo.source_layers))] * geo.target_layers
     out: dict[int, dict[str, torch.Tensor]] = {rank: {} for rank in ranks}
     for kind in KINDS:
         full, directions = _full_map_and_directions(train[kind], geo, ridge)
         for rank in ranks:
             projection, maps = _truncated(train[kind], geo, full, directions, rank)
-            r2 = []
-            for layer, layer_map in enumerate(maps):
-                sse, sst = residuals(
-                    heldout[kind], x_cols, geo.target_cols(layer), projection @ layer_map.weight,
-                    layer_map.bias,
-                )  # fmt: skip
-                r2.append(r2_by_head(sse, sst, geo.target_head_dim).mean())
-            out[rank][kind] = torch.stack(r2)
+            # each layer's map through the projection: x (P B_l) + b_l
+            composed = [LayerMap(projection @ m.weight, m.bias) for m in maps]
+            out[rank][kind] = maps_heldout_r2(heldout[kind], composed, every, geo)
     return out
 
 
 def candidate_ranks(geo: Geometry) -> list[int]:
     """128, 256, 512, ... below the widest rank the pair allows, then that rank."""
-    widest = _widest_rank(geo)
-    ranks, rank = [], 128
-    while rank < widest:
-        ranks.append(rank)
-        rank *= 2
-    return ranks + [widest]
+    return _doubling(128, _widest_rank(geo))
+
+
+def _doubling(first: int, last: int) -> list[int]:
+    """first, 2 first, 4 first, ... below ``last``, then ``last``."""
+    values, value = [], first
+    while value < last:
+        values.append(value)
+        value *= 2
+    return values + [last]
 
 
 def _widest_rank(geo: Geometry) -> int:
