@@ -1,15 +1,27 @@
-"""Tiny randomly initialised transformers models (and a character tokenizer) for fast tests."""
+"""Shared test fixtures: tiny randomly initialised transformers models (and a character
+tokenizer), fitted mappers of them, synthetic fitting problems and comparison helpers."""
 
 from __future__ import annotations
 
+import dataclasses
 import string
+from pathlib import Path
 
 import pytest
 import torch
 
+from sgl_kvmap.core.cache import KVCache
 from sgl_kvmap.core.mapper import content_features
-from sgl_kvmap.core.spec import spec_from_config
-from sgl_kvmap.models.capture import LoadedModel
+from sgl_kvmap.core.residual import initial_residual
+from sgl_kvmap.core.rope import rope, unrope
+from sgl_kvmap.core.spec import spec_from_config, tables_for_spec
+from sgl_kvmap.core.stats import Moments
+from sgl_kvmap.fitting.calibrate import PairStatistics, fit_from_statistics
+from sgl_kvmap.fitting.config import CalibrationConfig
+from sgl_kvmap.models.capture import (
+    LoadedModel,
+    capture_kv,
+)
 
 CHARS = string.printable
 
@@ -82,7 +94,6 @@ def tiny_pair() -> tuple[LoadedModel, LoadedModel]:
 @pytest.fixture(scope="session")
 def text_dir(tmp_path_factory):
     """Calibration and evaluation text: this repository's sources, as two disjoint folders."""
-    from pathlib import Path
 
     root = tmp_path_factory.mktemp("texts")
     sources = sorted(Path(__file__).resolve().parents[1].joinpath("sgl_kvmap").rglob("*.py"))
@@ -110,8 +121,7 @@ def fit_tiny_mapper(
 ):
     """A source -> target mapper fitted on six random windows of 64 tokens (no sink tokens;
     rank: a reduced-rank mapper instead)."""
-    from sgl_kvmap.fitting.calibrate import PairStatistics, fit_from_statistics
-    from sgl_kvmap.fitting.config import CalibrationConfig
+    from sgl_kvmap.fitting.calibrate import PairStatistics
     from sgl_kvmap.models.capture import capture_kv
 
     stats = PairStatistics(source.spec, target.spec)
@@ -133,9 +143,8 @@ def fit_tiny_mapper(
 def with_random_residual(mapper, cache, hidden: int = 8):
     """``mapper`` (reduced-rank) plus a non-linear residual whose output matrices are random
     (not the zero start), scaled for the features of ``cache``."""
-    import dataclasses
 
-    from sgl_kvmap.core.residual import Residual, initial_residual
+    from sgl_kvmap.core.residual import Residual
 
     generator = torch.Generator().manual_seed(7)
     features = content_features(cache, mapper.source)
@@ -149,3 +158,127 @@ def with_random_residual(mapper, cache, hidden: int = 8):
             start.weight_in, torch.randn(hidden, generator=generator), outputs
         )
     return dataclasses.replace(mapper, residuals=residuals)
+
+
+@pytest.fixture(scope="session")
+def reduced_mapper(tiny_pair):
+    """A reduced-rank (rank 16) mapper of ``tiny_pair``."""
+    return fit_tiny_mapper(*tiny_pair, rank=16)
+
+
+def random_cache(model: LoadedModel, tokens: int = 30, seed: int = 0) -> KVCache:
+    """``model``'s cache of ``tokens`` random token ids (seeded)."""
+    ids = torch.randint(0, 100, (tokens,), generator=torch.Generator().manual_seed(seed))
+    return capture_kv(model.model, ids)
+
+
+TINY_TUNING = dict(prompt_len=48, continuation=16, eval_every=5, heldout_windows=2, heldout_every=3)
+
+
+SMALL_CALIBRATION = dict(tokens=1024, window=128, heldout_every=4)
+
+
+def moments_of(x, y, batches=3):
+    m = Moments.empty(x[:10].mean(0), y[:10].mean(0))
+    for xb, yb in zip(x.chunk(batches), y.chunk(batches)):
+        m.update(xb, yb)
+    return m
+
+
+def assert_same_cache(got: KVCache, want: KVCache) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got.keys + got.values, want.keys + want.values):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+# target layer -> source layers it is built from (3 source layers, 4 target layers)
+TRUE_SOURCES = [[0], [0, 2], [1], [1, 2]]
+
+
+def synthetic_target_cache(source_cache: KVCache, source_spec, target_spec, weights) -> KVCache:
+    """Target post-RoPE K/V that are exact affine maps of the source's content-space K/V."""
+    t = len(source_cache)
+    src_tables, tgt_tables = (
+        tables_for_spec(source_spec, source_cache.positions),
+        tables_for_spec(target_spec, source_cache.positions),
+    )
+    content = {
+        "k": [
+            unrope(k, src_tables, source_spec.rope_style).reshape(t, -1) for k in source_cache.keys
+        ],
+        "v": [v.reshape(t, -1) for v in source_cache.values],
+    }
+    shape = (t, target_spec.num_kv_heads, target_spec.head_dim)
+    out = {"k": [], "v": []}
+    for layer, sources in enumerate(TRUE_SOURCES):
+        for kind in ("k", "v"):
+            w, b = weights[kind][layer]
+            y = (torch.cat([content[kind][s] for s in sources], 1) @ w + b).reshape(shape)
+            out[kind].append(rope(y, tgt_tables, target_spec.rope_style) if kind == "k" else y)
+    return KVCache(out["k"], out["v"], source_cache.positions)
+
+
+def cross_family_pair():
+    """Llama-3-scaled RoPE (half-split) -> GLM (partial, interleaved), geometry differs too."""
+    return tiny_model("llama3", seed=7), tiny_model(
+        "glm", seed=8, layers=4, kv_heads=1, head_dim=32
+    )
+
+
+@pytest.fixture(scope="module", params=["qwen2->qwen2", "llama3->glm"])
+def exact_problem(request, tiny_pair):
+    source, target = tiny_pair if request.param == "qwen2->qwen2" else cross_family_pair()
+    torch.manual_seed(0)
+    ws, wt = source.spec.kv_width, target.spec.kv_width
+    weights = {
+        kind: [(torch.randn(len(s) * ws, wt) / ws**0.5, torch.randn(wt)) for s in TRUE_SOURCES]
+        for kind in ("k", "v")
+    }
+    stats = statistics_of(
+        source, target, lambda src: synthetic_target_cache(src, source.spec, target.spec, weights)
+    )
+    return source, target, weights, stats
+
+
+def statistics_of(source, target, target_cache_of) -> PairStatistics:
+    """Statistics of six random 64-token windows of ``source`` (the last held out) against the
+    synthetic target caches ``target_cache_of(source_cache)``."""
+    stats = PairStatistics(source.spec, target.spec)
+    for i in range(6):
+        src = capture_kv(source.model, torch.randint(0, 100, (64,)))
+        stats.update(
+            content_features(src, source.spec, slice(1, None)),
+            content_features(target_cache_of(src), target.spec, slice(1, None)),
+            held_out=i == 5,
+        )
+    return stats
+
+
+def low_rank_target(src: KVCache, source_spec, target_spec, factors) -> KVCache:
+    """Target post-RoPE K/V that are rank-r maps of ALL the source's content-space K/V."""
+    t, layers = len(src), target_spec.num_layers
+    x = content_features(src, source_spec, slice(0, None))
+    tables = tables_for_spec(target_spec, src.positions)
+    out = {}
+    for kind, (a, b, bias) in factors.items():
+        y = (x[kind] @ a @ b + bias).reshape(t, layers, target_spec.num_kv_heads, -1)
+        out[kind] = [y[:, layer] for layer in range(layers)]
+    keys = [rope(k, tables, target_spec.rope_style) for k in out["k"]]
+    return KVCache(keys, out["v"], src.positions)
+
+
+@pytest.fixture(scope="module")
+def low_rank_problem(tiny_pair):
+    """Target K/V of true rank 3 over all source layers, as statistics and as caches."""
+    source, target = tiny_pair
+    torch.manual_seed(1)
+    dx = source.spec.num_layers * source.spec.kv_width
+    dy = target.spec.num_layers * target.spec.kv_width
+    factors = {
+        kind: (torch.randn(dx, 3) / dx**0.5, torch.randn(3, dy), torch.randn(dy))
+        for kind in ("k", "v")
+    }
+    stats = statistics_of(
+        source, target, lambda src: low_rank_target(src, source.spec, target.spec, factors)
+    )
+    return source, target, factors, stats

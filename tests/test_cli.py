@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from sgl_kvmap.cli import main
-from sgl_kvmap.fitting.config import FAMILY_RATES
+from sgl_kvmap.fitting.config import FAMILY_RATES, DemoConfig, PackRecipe
 
 from .conftest import save_loaded
 
@@ -236,3 +236,33 @@ def launch_flags(argv: list[str]) -> dict[str, str | None]:
         flags[argv[i]] = argv[i + 1] if has_value else None
         i += 2 if has_value else 1
     return flags
+
+
+def test_without_options_fit_and_demo_run_the_library_defaults(model_dirs, tmp_path, monkeypatch):
+    """The options' defaults are read from the configs: no option given, `fit` builds exactly
+    ``PackRecipe()`` and `demo` runs exactly ``DemoConfig()``."""
+    from sgl_kvmap import demo
+    from sgl_kvmap.fitting import build
+
+    seen = {}
+
+    class Unsaved:
+        def save_pretrained(self, out):
+            seen["out"] = out
+
+    def build_pack(source, target, calibration, recipe):
+        seen["recipe"] = recipe
+        return Unsaved(), {}
+
+    def run_demo(out, config):
+        seen["demo"] = config
+        return "table"
+
+    monkeypatch.setattr(build, "build_pack", build_pack)
+    monkeypatch.setattr(demo, "run_demo", run_demo)
+    fit = CliRunner().invoke(main, ["fit", *model_dirs, "--out", str(tmp_path / "pack")])
+    assert fit.exit_code == 0, fit.output
+    assert seen["recipe"] == PackRecipe()
+    shown = CliRunner().invoke(main, ["demo"])
+    assert shown.exit_code == 0 and shown.output == "table\n"
+    assert seen["demo"] == DemoConfig()

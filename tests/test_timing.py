@@ -6,6 +6,9 @@ import pytest
 import torch
 
 from sgl_kvmap.models.timing import measure_speed
+from sgl_kvmap.models.transfer import (
+    Repair,
+)
 
 
 @pytest.mark.parametrize("sinks", [0, 3])
@@ -32,3 +35,13 @@ def test_a_measured_prefill_is_reused(tiny_pair, tiny_mapper):
     ids = torch.randint(0, 100, (32,))
     speed = measure_speed(tiny_mapper, source, target, ids, repeats=1, prefill_seconds=123.0)
     assert speed.prefill_seconds == 123.0
+
+
+def test_speed_with_repair_counts_the_draft(tiny_pair, tiny_mapper):
+    source, target = tiny_pair
+    ids = torch.randint(0, 100, (48,))
+    speed = measure_speed(tiny_mapper, source, target, ids, repeats=1, repair=Repair(7, 3))
+    assert speed.anchors == 7 and speed.draft_seconds > 0
+    assert speed.total_seconds == pytest.approx(
+        speed.map_seconds + speed.draft_seconds + speed.handoff_seconds
+    )

@@ -1,4 +1,5 @@
-"""Downstream tuning: its loss is the evaluated hand-off's loss, and descending it helps."""
+"""Downstream tuning: its loss is the evaluated hand-off's loss, descending it helps, and it
+grows and trains a non-linear residual."""
 
 import dataclasses
 
@@ -12,6 +13,7 @@ from sgl_kvmap.fitting.evaluate import EvalRuns, continuation_scores
 from sgl_kvmap.fitting.tune import (
     _copy,
     _frozen,
+    _trainable,
     _warmup,
     continuation_loss,
     own_log_probs,
@@ -20,9 +22,7 @@ from sgl_kvmap.fitting.tune import (
 from sgl_kvmap.models.capture import capture_kv, run
 from sgl_kvmap.models.transfer import handoff_split, translate_prefix
 
-from .conftest import fit_tiny_mapper
-
-TINY = dict(prompt_len=48, continuation=16, eval_every=5, heldout_windows=2, heldout_every=3)
+from .conftest import TINY_TUNING, fit_tiny_mapper, random_cache
 
 
 @pytest.fixture(scope="module", params=[None, 16], ids=["k-layer", "rank-16"])
@@ -105,7 +105,7 @@ def test_tuning_lowers_the_heldout_loss_and_keeps_the_map_servable(
     source, target = tiny_pair
     before = {kind: [m.weight.clone() for m in mapper.maps[kind]] for kind in ("k", "v")}
     lr = 3e-2 if objective == "nll" else 3e-3  # KL's first steps overshoot at 3e-2 here
-    config = TuneConfig(steps=15, lr=lr, objective=objective, warmup=0, **TINY)
+    config = TuneConfig(steps=15, lr=lr, objective=objective, warmup=0, **TINY_TUNING)
     tuned, report = tune_mapper(mapper, source, target, [text_dir / "calib"], config)
     assert [p["step"] for p in report.curve] == [0, 5, 10, 15]
     # the objective falls on held-out windows, and the kept weights are its minimum (the tiny
@@ -142,7 +142,7 @@ def test_tuning_refuses_bad_settings_and_too_little_text(tiny_pair, mapper, text
         TuneConfig(warmup=-1)
     with pytest.raises(KVMapError, match="tail"):
         TuneConfig(prompt_len=64, tail=63)
-    config = TuneConfig(steps=1, **{**TINY, "heldout_windows": 10_000})
+    config = TuneConfig(steps=1, **{**TINY_TUNING, "heldout_windows": 10_000})
     with pytest.raises(KVMapError, match="held-out calibration files give"):
         tune_mapper(mapper, *tiny_pair, [text_dir / "calib"], config)
 
@@ -156,7 +156,7 @@ def test_the_default_rate_is_the_map_familys_and_is_recorded(tiny_pair, mapper, 
     want = FAMILY_RATES["k-layer" if mapper.projections is None else "reduced-rank"]
     assert TuneConfig().for_mapper(mapper).lr == want
     assert TuneConfig(lr=1e-3).for_mapper(mapper).lr == 1e-3
-    config = TuneConfig(steps=1, **TINY)
+    config = TuneConfig(steps=1, **TINY_TUNING)
     tuned, report = tune_mapper(mapper, *tiny_pair, [text_dir / "calib"], config)
     assert report.config.lr == want and report.summary()["tune_lr"] == want
     assert tuned.info["calibration"]["tuning"]["lr"] == want
@@ -165,7 +165,7 @@ def test_the_default_rate_is_the_map_familys_and_is_recorded(tiny_pair, mapper, 
 def test_a_tail_is_tuned_for_and_recorded(tiny_pair, mapper, text_dir):
     """With a tail the held-out scores are those of the hand-off with that tail, and the pack
     records it."""
-    config = TuneConfig(steps=1, warmup=0, tail=8, **TINY)
+    config = TuneConfig(steps=1, warmup=0, tail=8, **TINY_TUNING)
     tuned, report = tune_mapper(mapper, *tiny_pair, [text_dir / "calib"], config)
     assert tuned.info["calibration"]["tuning"]["tail"] == 8
     assert tuned.info["metrics"]["tune_tail"] == 8
@@ -173,3 +173,53 @@ def test_a_tail_is_tuned_for_and_recorded(tiny_pair, mapper, text_dir):
         mapper, *tiny_pair, [text_dir / "calib"], dataclasses.replace(config, tail=0)
     )[1]
     assert report.curve[0]["heldout_nll"] != no_tail.curve[0]["heldout_nll"]
+
+
+def test_tuning_grows_trains_and_keeps_a_residual(tiny_pair, reduced_mapper, text_dir, tmp_path):
+    source, target = tiny_pair
+    config = TuneConfig(steps=15, lr=3e-2, warmup=0, residual_hidden=8, **TINY_TUNING)
+    plain = tune_mapper(reduced_mapper, source, target, [text_dir / "calib"], TuneConfig(
+        steps=1, lr=3e-2, warmup=0, **TINY_TUNING))[1]  # fmt: skip
+    tuned, report = tune_mapper(reduced_mapper, source, target, [text_dir / "calib"], config)
+    # step 0 scores the fitted map: the residual starts at zero output
+    assert report.curve[0]["heldout_nll"] == pytest.approx(plain.curve[0]["heldout_nll"], abs=1e-6)
+    assert (
+        report.best_step > 0 and report.best["heldout_nll"] < report.curve[0]["heldout_nll"] - 0.01
+    )
+    assert tuned.residual_hidden == 8 and reduced_mapper.residuals is None
+    assert any(w.abs().sum() > 0 for w in tuned.residuals["v"].weights_out)
+    assert tuned.info["metrics"]["tune_residual_hidden"] == 8
+    loaded = KVMapper.from_pretrained(tuned.save_pretrained(tmp_path / "tuned"))
+    cache = random_cache(tiny_pair[0])
+    want, got = tuned.map(cache), loaded.map(cache)
+    for a, b in zip(want.keys + want.values, got.keys + got.values):
+        torch.testing.assert_close(a, b)
+
+
+def test_gradients_reach_every_residual_tensor_after_one_step(tiny_pair, reduced_mapper):
+    """At the zero start only the output matrices get a gradient (the hidden layer is behind
+    B = 0); once B moves, the hidden layer's weights do too."""
+    source, target = tiny_pair
+    window = torch.randint(0, 100, (64,), generator=torch.Generator().manual_seed(4))
+    cache = capture_kv(source.model, window[:47])
+    trainable, groups = _trainable(
+        reduced_mapper, TuneConfig(lr=1e-2, residual_hidden=8, **TINY_TUNING), cache
+    )
+    optimizer = torch.optim.Adam(groups)
+    residual = trainable.residuals["k"]
+    with _frozen(target.model):
+        for step in range(2):
+            optimizer.zero_grad()
+            continuation_loss(trainable, target, cache, window, 48)[0].backward()
+            outputs_moved = all(w.grad.abs().sum() > 0 for w in residual.weights_out[1:])
+            hidden_moved = residual.weight_in.grad.abs().sum() > 0
+            assert outputs_moved and bool(hidden_moved) == (step == 1)
+            optimizer.step()
+
+
+def test_a_residual_needs_a_reduced_rank_map_to_tune(tiny_pair, text_dir):
+    config = TuneConfig(steps=1, residual_hidden=8, **TINY_TUNING)
+    with pytest.raises(KVMapError, match="reduced-rank"):
+        tune_mapper(fit_tiny_mapper(*tiny_pair), *tiny_pair, [text_dir / "calib"], config)
+    with pytest.raises(KVMapError, match="residual_hidden"):
+        TuneConfig(residual_hidden=-1)

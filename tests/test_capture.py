@@ -1,22 +1,19 @@
-"""Scattered forwards: the target recomputes chosen tokens of a (translated) cache, and does the
-whole hand-off (sink tokens + tail + last prompt token) in one forward."""
-
-import dataclasses
+"""Running models: scattered forwards recompute chosen tokens of a (translated) cache exactly
+as one-at-a-time recomputation would; layer 0's K/V are the model's own."""
 
 import pytest
 import torch
 
+from sgl_kvmap.core.cache import KVCache
 from sgl_kvmap.models.capture import (
-    KVCache,
     capture_kv,
     first_layer_kv,
     forward_scattered,
     recompute_tokens,
     run,
 )
-from sgl_kvmap.models.transfer import handoff, handoff_split, translate_prefix
 
-from .conftest import tiny_model
+from .conftest import assert_same_cache, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -72,12 +69,6 @@ def test_recompute_refuses_bad_positions(model):
     assert recompute_tokens(model.model, cache, ids, torch.tensor([], dtype=torch.long)) is cache
 
 
-def assert_same_cache(got: KVCache, want: KVCache) -> None:
-    assert len(got) == len(want)
-    for g, w in zip(got.keys + got.values, want.keys + want.values):
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
-
-
 def test_appended_tokens_are_a_plain_forward_after_the_cache(model):
     ids = torch.randint(0, 100, (30,))
     cache = capture_kv(model.model, ids[:20])
@@ -89,25 +80,6 @@ def test_appended_tokens_are_a_plain_forward_after_the_cache(model):
         forward_scattered(model.model, cache, ids, torch.tensor([3, 21]))
 
 
-@pytest.mark.parametrize("tail", [0, 5])
-def test_one_forward_handoff_equals_sinks_then_the_rest(tiny_pair, tiny_mapper, tail):
-    """Sinks fused into the hand-off forward: the same cache and logits as computing the
-    sinks first (translate_prefix) and then the rest of the prompt over that cache."""
-    source, target = tiny_pair
-    mapper = dataclasses.replace(tiny_mapper, sink_tokens=3)
-    ids = torch.randint(0, 100, (40,))
-    split = handoff_split(len(ids), tail)
-    source_cache = capture_kv(source.model, ids[:split])
-    got = handoff(mapper, source_cache, ids, target.model, tail)
-    translated = translate_prefix(mapper, source_cache, ids[:split], target.model)
-    want = run(target.model, ids[split:], past=translated, logits_to_keep=1)
-    assert_same_cache(got.cache, want.cache)
-    torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4)
-    mapped = mapper.map(source_cache)  # the sinks really were recomputed
-    assert not torch.allclose(got.cache.keys[1][:3], mapped.keys[1][:3])
-    torch.testing.assert_close(got.cache.keys[1][3:split], mapped.keys[1][3:])
-
-
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama3", "glm"])
 def test_first_layer_kv_is_the_models_own(kind):
     """QK-norm, scaled RoPE and partial interleaved RoPE included: layer 0 needs no context."""
@@ -117,17 +89,3 @@ def test_first_layer_kv_is_the_models_own(kind):
     exact = capture_kv(model, ids)
     torch.testing.assert_close(keys, exact.keys[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(values, exact.values[0], rtol=1e-5, atol=1e-6)
-
-
-def test_translated_prefix_takes_the_targets_own_first_layer(tiny_pair, tiny_mapper):
-    source, target = tiny_pair
-    ids = torch.randint(0, 100, (30,))
-    source_cache, exact = capture_kv(source.model, ids), capture_kv(target.model, ids)
-    mapped = tiny_mapper.map(source_cache)
-    got = translate_prefix(tiny_mapper, source_cache, ids, target.model)
-    torch.testing.assert_close(got.keys[0], exact.keys[0], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(got.values[0], exact.values[0], rtol=1e-5, atol=1e-6)
-    for g, m in zip(got.keys[1:] + got.values[1:], mapped.keys[1:] + mapped.values[1:]):
-        assert torch.equal(g, m)  # deeper layers: the map, untouched
-    plain = translate_prefix(tiny_mapper, source_cache, ids, target.model, exact_first_layer=False)
-    assert torch.equal(plain.keys[0], mapped.keys[0])

@@ -1,16 +1,17 @@
-"""Hand-off repair: anchors picked by a source draft, recomputed in the hand-off forward."""
+"""The hand-off: one target forward does the sink tokens, the tail and the last prompt token,
+and the repair's anchors picked by a source draft."""
 
 import dataclasses
 
 import pytest
 import torch
 
-from sgl_kvmap import evaluate
 from sgl_kvmap.core.errors import KVMapError
 from sgl_kvmap.core.token_weights import attention_paid
-from sgl_kvmap.fitting.texts import eval_windows, expand_paths
-from sgl_kvmap.models.capture import capture_kv, run
-from sgl_kvmap.models.timing import measure_speed
+from sgl_kvmap.models.capture import (
+    capture_kv,
+    run,
+)
 from sgl_kvmap.models.transfer import (
     Repair,
     draft_anchors,
@@ -22,7 +23,40 @@ from sgl_kvmap.models.transfer import (
     translate_prefix,
 )
 
-from .test_recompute import assert_same_cache
+from .conftest import assert_same_cache
+
+
+@pytest.mark.parametrize("tail", [0, 5])
+def test_one_forward_handoff_equals_sinks_then_the_rest(tiny_pair, tiny_mapper, tail):
+    """Sinks fused into the hand-off forward: the same cache and logits as computing the
+    sinks first (translate_prefix) and then the rest of the prompt over that cache."""
+    source, target = tiny_pair
+    mapper = dataclasses.replace(tiny_mapper, sink_tokens=3)
+    ids = torch.randint(0, 100, (40,))
+    split = handoff_split(len(ids), tail)
+    source_cache = capture_kv(source.model, ids[:split])
+    got = handoff(mapper, source_cache, ids, target.model, tail)
+    translated = translate_prefix(mapper, source_cache, ids[:split], target.model)
+    want = run(target.model, ids[split:], past=translated, logits_to_keep=1)
+    assert_same_cache(got.cache, want.cache)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4)
+    mapped = mapper.map(source_cache)  # the sinks really were recomputed
+    assert not torch.allclose(got.cache.keys[1][:3], mapped.keys[1][:3])
+    torch.testing.assert_close(got.cache.keys[1][3:split], mapped.keys[1][3:])
+
+
+def test_translated_prefix_takes_the_targets_own_first_layer(tiny_pair, tiny_mapper):
+    source, target = tiny_pair
+    ids = torch.randint(0, 100, (30,))
+    source_cache, exact = capture_kv(source.model, ids), capture_kv(target.model, ids)
+    mapped = tiny_mapper.map(source_cache)
+    got = translate_prefix(tiny_mapper, source_cache, ids, target.model)
+    torch.testing.assert_close(got.keys[0], exact.keys[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.values[0], exact.values[0], rtol=1e-5, atol=1e-6)
+    for g, m in zip(got.keys[1:] + got.values[1:], mapped.keys[1:] + mapped.values[1:]):
+        assert torch.equal(g, m)  # deeper layers: the map, untouched
+    plain = translate_prefix(tiny_mapper, source_cache, ids, target.model, exact_first_layer=False)
+    assert torch.equal(plain.keys[0], mapped.keys[0])
 
 
 def greedy_continuation(model, ids: torch.Tensor, steps: int) -> torch.Tensor:
@@ -149,32 +183,3 @@ def test_repair_settings_are_checked():
     parallel = "8 anchors by a 32-token source draft (2 parallel sweeps)"
     assert str(Repair(8, 32, sweeps=2)) == parallel
     assert str(Repair(8, 2)) == "8 anchors by a 2-token source draft"
-
-
-def test_evaluated_repair_spans_mapped_tail_to_the_target_itself(tiny_pair, tiny_mapper, text_dir):
-    """No anchors: the repaired hand-off is the tail hand-off. Every translated token an anchor:
-    the target has recomputed the whole prompt, so it scores as on its own cache."""
-    source, target = tiny_pair
-    windows = eval_windows(target.tokenizer, expand_paths([text_dir / "eval"]), 80, 2)
-
-    def report(anchors):
-        return evaluate(tiny_mapper, source, target, windows, 64, 16, tail=4,
-                        repair=Repair(anchors, draft=2))  # fmt: skip
-
-    none, every = report(0), report(10_000)
-    assert none.repaired == none.mapped_tail
-    assert every.repaired.accuracy == every.reference.accuracy
-    assert every.repaired.nll == pytest.approx(every.reference.nll, rel=1e-4)
-    assert every.mapped.nll != pytest.approx(every.reference.nll, rel=1e-4)
-    assert every.summary()["eval_repaired_nll"] == every.repaired.nll
-    assert "2-token source draft" in every.table()
-
-
-def test_speed_with_repair_counts_the_draft(tiny_pair, tiny_mapper):
-    source, target = tiny_pair
-    ids = torch.randint(0, 100, (48,))
-    speed = measure_speed(tiny_mapper, source, target, ids, repeats=1, repair=Repair(7, 3))
-    assert speed.anchors == 7 and speed.draft_seconds > 0
-    assert speed.total_seconds == pytest.approx(
-        speed.map_seconds + speed.draft_seconds + speed.handoff_seconds
-    )
