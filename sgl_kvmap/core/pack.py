@@ -1,4 +1,4 @@
-"""Mapper packs: one folder, identical locally and on the Hub.
+"""Mapper packs: one local folder (``KVMapper.save_pretrained`` / ``from_pretrained``).
 
     mapper.safetensors   k.{layer}.weight / k.{layer}.bias / v.{layer}.* (float32), for a
                          reduced-rank mapper k.projection / v.projection, and for one with a
@@ -128,7 +128,7 @@ def read_config(folder: Path) -> dict[str, Any]:
 
 
 def model_card(config: dict[str, Any]) -> str:
-    """A Hub model card (README.md) for a pack, from its kvmap.json."""
+    """A model card (README.md) for a pack folder, from its kvmap.json."""
     src, tgt = config["source"], config["target"]
     metrics = config.get("metrics", {})
     rows = "\n".join(
@@ -169,7 +169,7 @@ Calibration: {_fmt(calib.get("tokens", "?"))} tokens from {calib.get("text", "?"
 
 ```python
 from sgl_kvmap import KVMapper
-mapper = KVMapper.from_pretrained("path/or/repo")
+mapper = KVMapper.from_pretrained("path/to/this/folder")
 target_cache = mapper.map(source_cache)
 ```
 """
