@@ -218,9 +218,17 @@ class RepairType(click.ParamType):
     help="Save each row's mapper (tuned ones included) as a pack under DIR/CONFIG/DIRECTION.",
 )
 def main(
-    names, windows, prefix_len, continuation, tails, main_tail, speed_tokens, directions, repair,
+    names,
+    windows,
+    prefix_len,
+    continuation,
+    tails,
+    main_tail,
+    speed_tokens,
+    directions,
+    repair,
     save_packs,
-):  # fmt: skip
+):
     """Run each configuration NAME: a fitted one (CONFIGS) or a tuned one,
     FIT-tune[-code][-kl][-lr-RATE][-tail][-mlp-H]-STEPS."""
     tails = sorted({0, main_tail, *map(int, tails.split(","))})
@@ -271,7 +279,7 @@ def main(
                     t,
                     runs,
                     repair if t == main_tail else None,
-                )  # fmt: skip
+                )
                 for t in tails
             }
             speeds = {
@@ -287,18 +295,32 @@ def main(
             }
             if repair is not None:
                 speeds["repaired"] = measure_speed(
-                    mapper, source, target, prompt, tail=main_tail,
-                    prefill_seconds=speeds[0].prefill_seconds, repair=repair,
-                )  # fmt: skip
+                    mapper,
+                    source,
+                    target,
+                    prompt,
+                    tail=main_tail,
+                    prefill_seconds=speeds[0].prefill_seconds,
+                    repair=repair,
+                )
             prefill_seconds[direction] = speeds[0].prefill_seconds
             row = _row(
-                name, direction, config, capture_seconds, fit, solve_seconds, reports, speeds,
+                name,
+                direction,
+                config,
+                capture_seconds,
+                fit,
+                solve_seconds,
+                reports,
+                speeds,
                 main_tail,
-            )  # fmt: skip
+            )
             if tuning is not None:
                 row["tuning"] = {
-                    **tuning.summary(), "curve": tuning.curve, "text": TUNING_TEXTS[text][0]
-                }  # fmt: skip
+                    **tuning.summary(),
+                    "curve": tuning.curve,
+                    "text": TUNING_TEXTS[text][0],
+                }
             if mixed is not None:
                 row["calibration"]["extra"] = {"text": CORPORA[mixed[1]], "tokens": mixed[2]}
             row["by_window"] = [
@@ -555,12 +577,16 @@ def _write_table() -> None:
 def _write_windows_table(rows: list[dict]) -> None:
     """Per evaluation window, per direction: the baselines' and every recorded row's NLL on the
     translated cache (no tail), to see which texts a map fails on."""
-    sections = ["# Fidelity by evaluation window", "", (
-        "NLL on each window's continuation: the target on its own cache, the source alone, then "
-        "the target on each configuration's translated cache (no tail; accuracy after the "
-        "slash). Written by `python benchmarks/fidelity.py` from the rows that recorded "
-        "per-window scores."
-    )]  # fmt: skip
+    sections = [
+        "# Fidelity by evaluation window",
+        "",
+        (
+            "NLL on each window's continuation: the target on its own cache, the source alone, "
+            "then the target on each configuration's translated cache (no tail; accuracy after "
+            "the slash). Written by `python benchmarks/fidelity.py` from the rows that recorded "
+            "per-window scores."
+        ),
+    ]
     for direction in DIRECTIONS:
         chosen = [r for r in rows if r["direction"] == direction and r.get("by_window")]
         if not chosen:

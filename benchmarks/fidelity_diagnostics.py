@@ -143,8 +143,9 @@ def main(name, windows, prefix_len, continuation, directions, worst_from, parts,
     if packs is None and tuned_spec(name) is not None:
         raise click.BadParameter(
             f"{name} is tuned and diagnostics do not tune: pass --packs (fidelity.py "
-            "--save-packs wrote them)", param_hint="NAME",
-        )  # fmt: skip
+            "--save-packs wrote them)",
+            param_hint="NAME",
+        )
     small, large = load_model(str(ensure_model(SMALL))), load_model(str(ensure_model(LARGE)))
     eval_ids = eval_windows(
         large.tokenizer, default_eval_files(), prefix_len + continuation, windows
@@ -160,9 +161,16 @@ def main(name, windows, prefix_len, continuation, directions, worst_from, parts,
         scores: dict[str, list] = {}
         for i in tqdm(range(windows), desc=f"diagnostics {direction}", unit="win"):
             for label, (cache, cost) in conditions(
-                mapper, runs.get(source, i), runs.get(target, i), source, target,
-                runs.windows[i], prefix_len, worst, parts,
-            ).items():  # fmt: skip
+                mapper,
+                runs.get(source, i),
+                runs.get(target, i),
+                source,
+                target,
+                runs.windows[i],
+                prefix_len,
+                worst,
+                parts,
+            ).items():
                 correct, nll = (
                     continuation_scores(target.model, cache, runs.windows[i], prefix_len)
                     if isinstance(cache, KVCache)
@@ -233,18 +241,21 @@ def oracle_swaps(mapped, exact, truth, worst, sinks, split) -> dict:
         "target K": (swap(mapped, exact, k_layers=layers), None),
         "target V": (swap(mapped, exact, v_layers=layers), None),
         f"target KV, {len(worst)} worst layers {worst}": (
-            swap(mapped, exact, k_layers=worst, v_layers=worst), None,
+            swap(mapped, exact, k_layers=worst, v_layers=worst),
+            None,
         ),
         "target KV, first 8 layers": (swap(mapped, exact, range(8), range(8)), None),
         "target KV, last 8 layers": (
-            swap(mapped, exact, layers[-8:], layers[-8:]), None,
+            swap(mapped, exact, layers[-8:], layers[-8:]),
+            None,
         ),
-    }  # fmt: skip
+    }
     for n in (16, 32, 64, split // 10):
         top = top_tokens(continuation_attention, n, sinks, split)
         out[f"target KV, {n} most-attended tokens (oracle)"] = (
-            swap(mapped, exact, layers, layers, tokens=top), None,
-        )  # fmt: skip
+            swap(mapped, exact, layers, layers, tokens=top),
+            None,
+        )
     return out
 
 
@@ -265,12 +276,14 @@ def recompute_levers(mapped, src, source, target, ids, sinks) -> dict:
     for n in (32, 64, 112):
         anchors = torch.cat((top_tokens(paid, n, sinks, split - PROBE), tail))
         out[f"recompute {n} anchors (target probe) + tail {PROBE}"] = (
-            recompute_tokens(target.model, probe.cache, ids, anchors), n + 2 * PROBE,
-        )  # fmt: skip
+            recompute_tokens(target.model, probe.cache, ids, anchors),
+            n + 2 * PROBE,
+        )
         anchors = torch.cat((top_tokens(source_paid, n, sinks, split - PROBE), tail))
         out[f"recompute {n} anchors (source probe) + tail {PROBE}"] = (
-            recompute_tokens(target.model, mapped, ids, anchors), f"{n + PROBE} (+{PROBE} source)",
-        )  # fmt: skip
+            recompute_tokens(target.model, mapped, ids, anchors),
+            f"{n + PROBE} (+{PROBE} source)",
+        )
     return out
 
 
@@ -283,9 +296,10 @@ def selector_levers(mapped, exact, src, truth, source, target, ids, mapper) -> d
         "continuation, target (oracle)": (attention_paid(truth.queries, truth.cache.keys), ORACLE),
         "continuation, source (oracle)": (attention_paid(src.queries, src.cache.keys), ORACLE),
         f"last {PROBE}, target over its own cache (oracle)": (
-            attention_paid(target_probe.queries, target_probe.cache.keys), ORACLE,
+            attention_paid(target_probe.queries, target_probe.cache.keys),
+            ORACLE,
         ),
-    }  # fmt: skip
+    }
     for n in (PROBE, 64, 256, split):
         label = "every prompt token" if n == split else f"last {n}"
         paid = attention_paid([q[-n:] for q in source_prompt.queries], source_prompt.cache.keys)
@@ -300,7 +314,7 @@ def selector_levers(mapped, exact, src, truth, source, target, ids, mapper) -> d
         out[f"{SELECTOR_ANCHORS} anchors by {label} + tail {PROBE}"] = (
             recompute_tokens(target.model, mapped, ids, anchors),
             f"{SELECTOR_ANCHORS + PROBE} ({extra})",
-        )  # fmt: skip
+        )
     return out
 
 
@@ -448,9 +462,8 @@ def _record(name, direction, worst, prefix_len, continuation, windows, scores) -
     again; a row of other evaluation windows is replaced whole)."""
     path = RESULTS / "fidelity_diagnostics.json"
     rows = json.loads(path.read_text()) if path.exists() else []
-    key, setup = (name, direction, LAYER0), {
-        "windows": windows, "prefix_len": prefix_len, "continuation": continuation,
-    }  # fmt: skip
+    key = (name, direction, LAYER0)
+    setup = {"windows": windows, "prefix_len": prefix_len, "continuation": continuation}
     previous = next((r for r in rows if _key(r) == key), None)
     if previous is None or previous["eval"] != setup:
         previous = {"config": name, "direction": direction, "worst_layers": [], "conditions": {}}
@@ -464,11 +477,15 @@ def _record(name, direction, worst, prefix_len, continuation, windows, scores) -
         }
         for label, s in scores.items()
     }
-    rows.append({
-        **previous, "eval": setup, "layer0": LAYER0,
-        "worst_layers": worst or previous["worst_layers"],
-        "conditions": {**previous["conditions"], **measured},
-    })  # fmt: skip
+    rows.append(
+        {
+            **previous,
+            "eval": setup,
+            "layer0": LAYER0,
+            "worst_layers": worst or previous["worst_layers"],
+            "conditions": {**previous["conditions"], **measured},
+        }
+    )
     path.write_text(json.dumps(rows, indent=1) + "\n")
 
 
@@ -524,9 +541,12 @@ def _paired(values: list | None, baseline: list | None) -> str:
 
 def _write_table() -> None:
     rows = json.loads((RESULTS / "fidelity_diagnostics.json").read_text())
-    parts = ["# Fidelity diagnostics\n", "Written by `python benchmarks/fidelity_diagnostics.py`. "
-             "Oracle rows use the target's own KV (not available at a real hand-off); "
-             "recomputed tokens are counted out of the prompt's tokens.\n"]  # fmt: skip
+    parts = [
+        "# Fidelity diagnostics\n",
+        "Written by `python benchmarks/fidelity_diagnostics.py`. "
+        "Oracle rows use the target's own KV (not available at a real hand-off); "
+        "recomputed tokens are counted out of the prompt's tokens.\n",
+    ]
     for r in rows:
         e = r["eval"]
         parts.append(

@@ -119,9 +119,12 @@ def main(tokens, ks, direction, evaluate_k):
     split = state.forward if direction == DIRECTIONS[0] else state.reverse
     source, target = (small, large) if direction == DIRECTIONS[0] else (large, small)
     geo = Geometry(
-        source.spec.num_layers, source.spec.kv_width, target.spec.num_layers,
-        target.spec.kv_width, target.spec.head_dim,
-    )  # fmt: skip
+        source.spec.num_layers,
+        source.spec.kv_width,
+        target.spec.num_layers,
+        target.spec.kv_width,
+        target.spec.head_dim,
+    )
     ridge, specs = Ridge(config.ridge), (source.spec, target.spec)
     scores = probe_scores(split.train, geo, ridge)
     rows = []
@@ -131,9 +134,15 @@ def main(tokens, ks, direction, evaluate_k):
             r2, parameters = heldout_scores(
                 split.train, split.heldout, selection, geo, ridge, specs, head_local
             )
-            rows.append({"k": k, "features": "head-local" if head_local else "full layer",
-                         "heldout_r2_k": r2["k"], "heldout_r2_v": r2["v"],
-                         "parameters": parameters})  # fmt: skip
+            rows.append(
+                {
+                    "k": k,
+                    "features": "head-local" if head_local else "full layer",
+                    "heldout_r2_k": r2["k"],
+                    "heldout_r2_v": r2["v"],
+                    "parameters": parameters,
+                }
+            )
             print(json.dumps(rows[-1]))
     if evaluate_k:
         rows += _downstream(split, source, target, geo, ridge, specs, evaluate_k, config)
@@ -167,13 +176,19 @@ def _downstream(split, source, target, geo, ridge, specs, k, config):
     for name, mapper in (("full layer", full), ("head-local", local)):
         report = evaluate(mapper, source, target, windows, 1024, 64, 32, runs)
         for tail, quality in ((0, report.mapped), (32, report.mapped_tail)):
-            rows.append({
-                "k": k, "features": name, "tail": tail,
-                "target": report.reference.accuracy, "source": report.source.accuracy,
-                "no_prefix": report.no_prefix.accuracy,
-                "accuracy": quality.accuracy, "nll": quality.nll,
-                "retention": quality.accuracy / report.reference.accuracy,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "k": k,
+                    "features": name,
+                    "tail": tail,
+                    "target": report.reference.accuracy,
+                    "source": report.source.accuracy,
+                    "no_prefix": report.no_prefix.accuracy,
+                    "accuracy": quality.accuracy,
+                    "nll": quality.nll,
+                    "retention": quality.accuracy / report.reference.accuracy,
+                }
+            )
             print(json.dumps(rows[-1]))
     return rows
 
@@ -183,12 +198,14 @@ def _write(rows, direction, tokens):
     (RESULTS / "head_local.json").write_text(json.dumps(rows, indent=1) + "\n")
     fits = [r for r in rows if "heldout_r2_k" in r]
     lines = [
-        f"# Head-local vs full-layer features ({direction}, {tokens} calibration tokens)", "",
+        f"# Head-local vs full-layer features ({direction}, {tokens} calibration tokens)",
+        "",
         "Written by `python benchmarks/head_local.py`. Held-out R2 is the mean over target "
-        "layers and heads on the held-out calibration windows.", "",
+        "layers and heads on the held-out calibration windows.",
+        "",
         "| k | features | held-out R2 K / V | map parameters (K + V) |",
         "| --- | --- | --- | --- |",
-    ]  # fmt: skip
+    ]
     lines += [
         f"| {r['k']} | {r['features']} | {r['heldout_r2_k']:.3f} / {r['heldout_r2_v']:.3f} | "
         f"{r['parameters']:,} |"
@@ -198,12 +215,14 @@ def _write(rows, direction, tokens):
     if evaluated:
         first = evaluated[0]
         lines += [
-            "", f"Downstream on 16 held-out windows (1,024 + 64 tokens): target "
+            "",
+            f"Downstream on 16 held-out windows (1,024 + 64 tokens): target "
             f"{first['target']:.3f}, source alone {first['source']:.3f}, no prefix "
-            f"{first['no_prefix']:.3f}.", "",
+            f"{first['no_prefix']:.3f}.",
+            "",
             "| k | features | tail | accuracy | NLL | retention |",
             "| --- | --- | --- | --- | --- | --- |",
-        ]  # fmt: skip
+        ]
         lines += [
             f"| {r['k']} | {r['features']} | {r['tail']} | {r['accuracy']:.3f} | {r['nll']:.3f} | "
             f"{r['retention']:.3f} |"

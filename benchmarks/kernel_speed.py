@@ -100,9 +100,14 @@ def random_mapper(source, target, rank: int | None = None, k: int | None = None)
         for kind in KINDS
     }
     return KVMapper(
-        source, target, selection, maps, ridge=0.0, sink_tokens=SINK_TOKENS,
+        source,
+        target,
+        selection,
+        maps,
+        ridge=0.0,
+        sink_tokens=SINK_TOKENS,
         projections=projections,
-    )  # fmt: skip
+    )
 
 
 def token_pool(spec, slots: int, dtype, device) -> PagedKV:
@@ -137,15 +142,21 @@ def timed(fn, repeats: int, device: str) -> float:
 @click.option("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16")
 @click.option(
-    "--tokens", "token_counts", multiple=True, type=int, default=[512, 2048, 8192],
+    "--tokens",
+    "token_counts",
+    multiple=True,
+    type=int,
+    default=[512, 2048, 8192],
     show_default=True,
-)  # fmt: skip
+)
 @click.option("--repeats", default=20, show_default=True)
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=RESULTS)
 @click.option(
-    "--repairs/--no-repairs", default=True, show_default=True,
+    "--repairs/--no-repairs",
+    default=True,
+    show_default=True,
     help="Also time the hand-off repair's draft and forward (see the module doc).",
-)  # fmt: skip
+)
 def main(device, dtype, token_counts, repeats, out, repairs) -> None:
     dtype = getattr(torch, dtype)
     configs = {name: pair_config(name) for name in PAIR}
@@ -243,10 +254,11 @@ def measure_repair(source_model, model, tokens: int, repeats: int) -> dict:
     draft = {
         f"{count}:{sweeps}": timed(
             lambda c=count, s=sweeps: draft_attention(source_model, source_cache, ids, c, s),
-            repeats, device,
+            repeats,
+            device,
         )
         for count, sweeps in DRAFTS
-    }  # fmt: skip
+    }
 
     def forward_time(tail: int, anchors: int) -> float:
         split, positions = handoff_split(tokens, tail), random_handoff(tokens, tail, anchors)
@@ -256,17 +268,22 @@ def measure_repair(source_model, model, tokens: int, repeats: int) -> dict:
     first_step = forward_time(0, 0)
     forward = {anchors: forward_time(REPAIR_TAIL, anchors) for anchors in REPAIR_ANCHORS}
     return {
-        "tokens": tokens, "tail": REPAIR_TAIL, "draft_seconds": draft,
-        "handoff_seconds_by_anchors": forward, "first_step_seconds": first_step,
-    }  # fmt: skip
+        "tokens": tokens,
+        "tail": REPAIR_TAIL,
+        "draft_seconds": draft,
+        "handoff_seconds_by_anchors": forward,
+        "first_step_seconds": first_step,
+    }
 
 
 def random_handoff(tokens: int, tail: int, anchors: int) -> torch.Tensor:
     """Positions of a hand-off forward of a ``tokens``-token prompt: the sinks, ``anchors``
     translated tokens drawn at random (seeded), the last ``tail`` prompt tokens and the last."""
     split = handoff_split(tokens, tail)
-    picked = (torch.randperm(split - SINK_TOKENS, generator=torch.Generator().manual_seed(0))
-              [:anchors] + SINK_TOKENS)  # fmt: skip
+    picked = (
+        torch.randperm(split - SINK_TOKENS, generator=torch.Generator().manual_seed(0))[:anchors]
+        + SINK_TOKENS
+    )
     return handoff_positions(tokens, tail, SINK_TOKENS, picked.sort().values)
 
 

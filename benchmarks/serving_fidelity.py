@@ -87,22 +87,38 @@ def main(pack, windows, prefix_len, continuation, page, out) -> None:
         source_cache = source_run.cache.slice(0, prefix_len)
         rest = scored[prefix_len:]
         handed = translate_prefix(mapper, source_cache, history, large.model)
-        add("library hand-off", run(large.model, rest, past=handed, logits_to_keep=keep).logits,
-            labels)  # fmt: skip
+        add(
+            "library hand-off",
+            run(large.model, rest, past=handed, logits_to_keep=keep).logits,
+            labels,
+        )
         mapped = mapper.map(source_cache)
-        add("library map only", run(large.model, rest, past=mapped, logits_to_keep=keep).logits,
-            labels)  # fmt: skip
+        add(
+            "library map only",
+            run(large.model, rest, past=mapped, logits_to_keep=keep).logits,
+            labels,
+        )
         for name, settings in SERVED.items():
             store = tempfile.mkdtemp(prefix="serving-fidelity-")
             peer = PeerSettings(names[0], str(pack))
             on = StorageSettings(translate=True, interface_v1=True, peers=(peer,), **settings)
             off = StorageSettings(interface_v1=True)
             engines = [
-                Engine(small, names[0], sglang_extra_config(off, store), page_size=page,
-                       slots=2 * len(window)),
-                Engine(large, names[1], sglang_extra_config(on, store), page_size=page,
-                       slots=2 * len(window)),
-            ]  # fmt: skip
+                Engine(
+                    small,
+                    names[0],
+                    sglang_extra_config(off, store),
+                    page_size=page,
+                    slots=2 * len(window),
+                ),
+                Engine(
+                    large,
+                    names[1],
+                    sglang_extra_config(on, store),
+                    page_size=page,
+                    slots=2 * len(window),
+                ),
+            ]
             try:
                 engines[0].serve(history.tolist())
                 if name == "served (b)":
@@ -122,8 +138,9 @@ def main(pack, windows, prefix_len, continuation, page, out) -> None:
 
 
 def summary(scores, mapper, windows, prefix_len, continuation, page) -> dict:
-    accuracy = {name: torch.tensor([a for a, _ in s], dtype=torch.float64)
-                for name, s in scores.items()}  # fmt: skip
+    accuracy = {
+        name: torch.tensor([a for a, _ in s], dtype=torch.float64) for name, s in scores.items()
+    }
     nll = {name: torch.tensor([n for _, n in s], dtype=torch.float64) for name, s in scores.items()}
     rows = {}
     for name in scores:
@@ -142,12 +159,16 @@ def summary(scores, mapper, windows, prefix_len, continuation, page) -> dict:
             )
         rows[name] = row
     return {
-        "windows": windows, "prefix_len": prefix_len, "continuation": continuation,
-        "page_size": page, "sink_tokens": mapper.sink_tokens,
+        "windows": windows,
+        "prefix_len": prefix_len,
+        "continuation": continuation,
+        "page_size": page,
+        "sink_tokens": mapper.sink_tokens,
         "pack_k": mapper.source_layers_per_target,
-        "pack_rank": mapper.rank, "conditions": rows,
+        "pack_rank": mapper.rank,
+        "conditions": rows,
         "by_window": {name: s for name, s in scores.items()},
-    }  # fmt: skip
+    }
 
 
 def table(result: dict) -> str:

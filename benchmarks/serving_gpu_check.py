@@ -46,9 +46,13 @@ TOLERANCE = 3e-2  # of the outputs' largest magnitude: bfloat16 rounding of the 
 
 @click.command()
 @click.option(
-    "--tokens", "token_counts", multiple=True, type=int, default=[2048, 8192],
+    "--tokens",
+    "token_counts",
+    multiple=True,
+    type=int,
+    default=[2048, 8192],
     show_default=True,
-)  # fmt: skip
+)
 @click.option("--repeats", default=10, show_default=True)
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=RESULTS)
 def main(token_counts, repeats, out) -> None:
@@ -67,9 +71,11 @@ def main(token_counts, repeats, out) -> None:
                 print(json.dumps(row))
     meta = {
         "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
-        "torch": torch.__version__, "repeats": repeats, "page_size": PAGE,
+        "torch": torch.__version__,
+        "repeats": repeats,
+        "page_size": PAGE,
         "tolerance": TOLERANCE,
-    }  # fmt: skip
+    }
     out.mkdir(parents=True, exist_ok=True)
     (out / "serving_gpu_check.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"largest relative difference from the torch body: {worst:.2e} (tolerance {TOLERANCE})")
@@ -81,22 +87,25 @@ def main(token_counts, repeats, out) -> None:
 def check(mapper, tokens: int, repeats: int, device: str) -> dict:
     src, tgt = mapper.source, mapper.target
     positions = torch.arange(tokens)
-    stored = PageFormat("page_first", PAGE, src.num_layers, src.num_kv_heads, src.head_dim,
-                        torch.bfloat16)  # fmt: skip
+    stored = PageFormat(
+        "page_first", PAGE, src.num_layers, src.num_kv_heads, src.head_dim, torch.bfloat16
+    )
     pages = [torch.randn(stored.numel).to(torch.bfloat16) for _ in range(tokens // PAGE)]
     source = torch.cat([stored.to_tokens(page) for page in pages], dim=1)  # [2, t, L, H, D]
 
     def hand_over(layout: str) -> list[torch.Tensor]:
         kv = translate_tokens(mapper, source, positions, torch.bfloat16)
-        own = PageFormat(layout, PAGE, tgt.num_layers, tgt.num_kv_heads, tgt.head_dim,
-                         torch.bfloat16)  # fmt: skip
+        own = PageFormat(
+            layout, PAGE, tgt.num_layers, tgt.num_kv_heads, tgt.head_dim, torch.bfloat16
+        )
         return [own.from_tokens(kv[:, i : i + PAGE]) for i in range(0, tokens, PAGE)]
 
     reference = torch_body(mapper, source, positions, device)  # [2, t, L, H, D] on the CPU
     differences = []
     for layout in HOST_LAYOUTS:
-        own = PageFormat(layout, PAGE, tgt.num_layers, tgt.num_kv_heads, tgt.head_dim,
-                         torch.bfloat16)  # fmt: skip
+        own = PageFormat(
+            layout, PAGE, tgt.num_layers, tgt.num_kv_heads, tgt.head_dim, torch.bfloat16
+        )
         got = torch.cat([own.to_tokens(page) for page in hand_over(layout)], dim=1)
         differences.append(relative(got, reference))
     heads = [tgt.num_kv_heads - 1]
@@ -110,11 +119,12 @@ def check(mapper, tokens: int, repeats: int, device: str) -> dict:
     floor_seconds = timed(floor, repeats, device)
     return {
         "largest_relative_difference": max(differences),
-        "host_pages_seconds": host_seconds, "device_pool_seconds": pool_seconds,
+        "host_pages_seconds": host_seconds,
+        "device_pool_seconds": pool_seconds,
         "products_floor_seconds": floor_seconds,
         "host_pages_over_floor": host_seconds / floor_seconds,
         "device_pool_over_floor": pool_seconds / floor_seconds,
-    }  # fmt: skip
+    }
 
 
 def torch_body(mapper, source, positions, device) -> torch.Tensor:
@@ -123,9 +133,15 @@ def torch_body(mapper, source, positions, device) -> torch.Tensor:
     shape = (2, source.shape[1], spec.num_layers, spec.num_kv_heads, spec.head_dim)
     target = torch.empty(shape, dtype=torch.bfloat16, device=device)
     slots = torch.arange(source.shape[1], device=device)
-    translate_pages(mapper, PagedKV.token_major(source.to(device)), slots,
-                    PagedKV.token_major(target), slots,
-                    positions.to(device), backend="torch")  # fmt: skip
+    translate_pages(
+        mapper,
+        PagedKV.token_major(source.to(device)),
+        slots,
+        PagedKV.token_major(target),
+        slots,
+        positions.to(device),
+        backend="torch",
+    )
     return target.cpu()
 
 

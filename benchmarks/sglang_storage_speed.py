@@ -41,8 +41,9 @@ RESULTS = Path(__file__).parent / "results"
 
 @click.command()
 @click.argument("pack", type=click.Path(exists=True, file_okay=False))
-@click.option("--tokens", "lengths", multiple=True, type=int, default=(2048, 8192),
-              show_default=True)  # fmt: skip
+@click.option(
+    "--tokens", "lengths", multiple=True, type=int, default=(2048, 8192), show_default=True
+)
 @click.option("--page", default=64, show_default=True)
 @click.option("--threads", default=1, show_default=True, help="torch threads while timed.")
 @click.option("--prefill-up-to", default=2048, show_default=True)
@@ -69,10 +70,12 @@ def main(pack, lengths, page, threads, prefill_up_to, out) -> None:
         peer = PeerSettings(names[0], str(pack))
         on = StorageSettings(translate=True, interface_v1=True, peers=(peer,))
         off = StorageSettings(interface_v1=True)
-        source = Engine(small, names[0], sglang_extra_config(off, store), page_size=page,
-                        slots=2 * n + 2 * page)  # fmt: skip
-        target = Engine(large, names[1], sglang_extra_config(on, store), page_size=page,
-                        slots=2 * n + 2 * page)  # fmt: skip
+        source = Engine(
+            small, names[0], sglang_extra_config(off, store), page_size=page, slots=2 * n + 2 * page
+        )
+        target = Engine(
+            large, names[1], sglang_extra_config(on, store), page_size=page, slots=2 * n + 2 * page
+        )
         try:
             source.serve(prompt[:n])
             torch.set_num_threads(threads)
@@ -91,22 +94,29 @@ def main(pack, lengths, page, threads, prefill_up_to, out) -> None:
             torch.set_num_threads(setup_threads)
             source.close()
             target.close()
-        rows.append({
-            "tokens": n, "hand_over_seconds": hand_over, "translation_seconds": translate_only,
-            "prefetch_deadline_seconds": deadline.seconds(n),
-            "within_deadline": hand_over < deadline.seconds(n),
-            "target_prefill_seconds": prefill,
-            "prefill_over_hand_over": None if prefill is None else prefill / hand_over,
-        })  # fmt: skip
+        rows.append(
+            {
+                "tokens": n,
+                "hand_over_seconds": hand_over,
+                "translation_seconds": translate_only,
+                "prefetch_deadline_seconds": deadline.seconds(n),
+                "within_deadline": hand_over < deadline.seconds(n),
+                "target_prefill_seconds": prefill,
+                "prefill_over_hand_over": None if prefill is None else prefill / hand_over,
+            }
+        )
         print(json.dumps(rows[-1]))
     result = {
-        "pack": str(pack), "pack_k": mapper.source_layers_per_target, "pack_rank": mapper.rank,
+        "pack": str(pack),
+        "pack_k": mapper.source_layers_per_target,
+        "pack_rank": mapper.rank,
         "page_size": page,
-        "threads": threads, "products_dtype": str(products).replace("torch.", ""),
+        "threads": threads,
+        "products_dtype": str(products).replace("torch.", ""),
         "cpu": platform.processor() or platform.machine(),
         "deadline": {"base": deadline.base, "per_ki_token": deadline.per_ki_token},
         "rows": rows,
-    }  # fmt: skip
+    }
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))

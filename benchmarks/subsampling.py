@@ -89,9 +89,10 @@ def main(tokens: int, strides: str, top_k: int) -> None:
             step = 1 if i in held else a.stride  # every arm is scored on the same tokens
             started = time.perf_counter()
             a.stats.update(
-                {k: f[::step] for k, f in src.items()}, {k: f[::step] for k, f in tgt.items()},
+                {k: f[::step] for k, f in src.items()},
+                {k: f[::step] for k, f in tgt.items()},
                 i in held,
-            )  # fmt: skip
+            )
             a.update_seconds += time.perf_counter() - started
             a.kept_tokens += 0 if i in held else len(src["k"][::step])
     results = []

@@ -58,15 +58,26 @@ def main(packs, token_counts, repeats, dtype, tail, repairs, out) -> None:
             prompt, prefill = prompt_of_length(target.tokenizer, tokens), None
             for repair in (None, *repairs):
                 speed = measure_speed(
-                    mapper, source, target, prompt, repeats,
-                    tail=0 if repair is None else tail, prefill_seconds=prefill, repair=repair,
-                )  # fmt: skip
+                    mapper,
+                    source,
+                    target,
+                    prompt,
+                    repeats,
+                    tail=0 if repair is None else tail,
+                    prefill_seconds=prefill,
+                    repair=repair,
+                )
                 prefill = speed.prefill_seconds  # one re-prefill timing for every variant
-                rows.append({
-                    "pack": str(pack), "dtype": dtype, "k": mapper.source_layers_per_target,
-                    "sink_tokens": mapper.sink_tokens,
-                    "repair": None if repair is None else str(repair), **speed.to_dict(),
-                })  # fmt: skip
+                rows.append(
+                    {
+                        "pack": str(pack),
+                        "dtype": dtype,
+                        "k": mapper.source_layers_per_target,
+                        "sink_tokens": mapper.sink_tokens,
+                        "repair": None if repair is None else str(repair),
+                        **speed.to_dict(),
+                    }
+                )
                 k = mapper.source_layers_per_target
                 print(f"{Path(pack).name:<16} {dtype} k={k:<3} {speed.line()}")
                 if repair is not None:

@@ -326,9 +326,21 @@ def fit(
 @click.option("--source", "source_path", default=None, help="Default: the pack's source.")
 @click.option("--target", "target_path", default=None, help="Default: the pack's target.")
 def tune(
-    pack, out, calibration, steps, lr, prompt_len, continuation, eval_every, objective, warmup,
-    tail, residual_hidden, source_path, target_path,
-) -> None:  # fmt: skip
+    pack,
+    out,
+    calibration,
+    steps,
+    lr,
+    prompt_len,
+    continuation,
+    eval_every,
+    objective,
+    warmup,
+    tail,
+    residual_hidden,
+    source_path,
+    target_path,
+) -> None:
     """Tune a pack's map on the target's next-token loss over translated caches, save a pack.
 
     The map keeps its shapes (kernels and the SGLang extension serve it as they serve a fitted
@@ -344,10 +356,16 @@ def tune(
     source = load_model(source_path or mapper.source.model_id)
     target = load_model(target_path or mapper.target.model_id)
     config = TuneConfig(
-        steps=steps, lr=lr, prompt_len=prompt_len, continuation=continuation,
-        eval_every=eval_every, objective=objective, warmup=warmup, tail=tail,
+        steps=steps,
+        lr=lr,
+        prompt_len=prompt_len,
+        continuation=continuation,
+        eval_every=eval_every,
+        objective=objective,
+        warmup=warmup,
+        tail=tail,
         residual_hidden=residual_hidden,
-    )  # fmt: skip
+    )
     tuned, report = tune_mapper(mapper, source, target, list(calibration) or None, config)
     tuned.save_pretrained(out)
     click.echo(json.dumps({**report.summary(), "curve": report.curve}, indent=2))
@@ -403,9 +421,20 @@ def tune(
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def eval_(
-    pack, texts, prefix_len, continuation, tail, windows, source_path, target_path, anchors,
-    draft, sweeps, speed_tokens, as_json,
-) -> None:  # fmt: skip
+    pack,
+    texts,
+    prefix_len,
+    continuation,
+    tail,
+    windows,
+    source_path,
+    target_path,
+    anchors,
+    draft,
+    sweeps,
+    speed_tokens,
+    as_json,
+) -> None:
     """Measure a pack's fidelity on held-out text, beside target, source and no-prefix baselines."""
     from .core.mapper import KVMapper
     from .fitting.evaluate import evaluate
@@ -422,9 +451,15 @@ def eval_(
     files = expand_paths(texts) if texts else default_eval_files()
     token_windows = eval_windows(target.tokenizer, files, prefix_len + continuation, windows)
     report = evaluate(
-        mapper, source, target, token_windows, prefix_len, continuation, tail,
+        mapper,
+        source,
+        target,
+        token_windows,
+        prefix_len,
+        continuation,
+        tail,
         repair=config.repair,
-    )  # fmt: skip
+    )
     speed = None
     if speed_tokens:
         prompt = prompt_of_length(target.tokenizer, speed_tokens)
@@ -510,9 +545,19 @@ def inspect(pack) -> None:
     help="Downstream tuning steps after each fit (`sgl-kvmap tune`; 0: none).",
 )
 def demo(
-    tokens, windows, prefix_len, continuation, tail, bench_tokens, out, anchors, draft, sweeps,
-    rank, tune_steps,
-) -> None:  # fmt: skip
+    tokens,
+    windows,
+    prefix_len,
+    continuation,
+    tail,
+    bench_tokens,
+    out,
+    anchors,
+    draft,
+    sweeps,
+    rank,
+    tune_steps,
+) -> None:
     """The whole job on the embedded Qwen2.5-Coder 0.5B/1.5B pair.
 
     Fetch and convert the pair once, fit both directions, evaluate, time, print one table.

@@ -50,9 +50,14 @@ def run_demo(out: Path, config: DemoConfig = DemoConfig()) -> str:
         )
         speed = measure_speed(mapper, source, target, bench_ids)
         repaired = measure_speed(
-            mapper, source, target, bench_ids, tail=tail, repair=repair,
+            mapper,
+            source,
+            target,
+            bench_ids,
+            tail=tail,
+            repair=repair,
             prefill_seconds=speed.prefill_seconds,
-        )  # fmt: skip
+        )
         mapper.info["metrics"].update(report.summary())
         mapper.info["metrics"].update({f"speed_{k}": v for k, v in speed.to_dict().items()})
         if repair is not None:

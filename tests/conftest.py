@@ -45,19 +45,32 @@ def tiny_config(kind: str, layers: int = 3, kv_heads: int = 2, head_dim: int = 1
 
     heads = 2 * kv_heads
     common = dict(
-        vocab_size=128, hidden_size=heads * head_dim, intermediate_size=64,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        head_dim=head_dim, max_position_embeddings=512,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
+        vocab_size=128,
+        hidden_size=heads * head_dim,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     common.update(extra)
     if kind == "qwen2":
         return Qwen2Config(**common)
     if kind == "qwen3":
         return Qwen3Config(**common)
     if kind == "llama3":
-        rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}  # fmt: skip
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        }
         return LlamaConfig(**common, rope_parameters=rope)
     if kind == "yarn":
         rope = {

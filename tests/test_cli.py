@@ -124,8 +124,20 @@ def test_fit_defaults_to_an_auto_rank_pack_tuned_at_its_familys_rate(
     model_dirs, text_dir, tmp_path
 ):
     email = Path(sysconfig.get_paths()["stdlib"]) / "email"  # text for 120 tuning windows
-    args = ["fit", *model_dirs, "--out", str(tmp_path / "p"), "--calibration", str(text_dir),
-            "--calibration", str(email), "--tokens", "1024", "--window", "128"]  # fmt: skip
+    args = [
+        "fit",
+        *model_dirs,
+        "--out",
+        str(tmp_path / "p"),
+        "--calibration",
+        str(text_dir),
+        "--calibration",
+        str(email),
+        "--tokens",
+        "1024",
+        "--window",
+        "128",
+    ]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     pack = json.loads((tmp_path / "p" / "kvmap.json").read_text())
@@ -152,10 +164,30 @@ def test_top_k_with_a_rank_is_a_usage_error(model_dirs, tmp_path):
 
 
 def test_tune_writes_a_tuned_pack_and_its_curve(fitted_pack, text_dir, tmp_path):
-    args = ["tune", str(fitted_pack[0]), "--out", str(tmp_path / "t"), "--calibration",
-            str(text_dir / "calib"), "--steps", "4", "--eval-every", "2", "--prompt-len", "48",
-            "--continuation", "16", "--lr", "1e-2", "--objective", "kl",
-            "--warmup", "1", "--tail", "4"]  # fmt: skip
+    args = [
+        "tune",
+        str(fitted_pack[0]),
+        "--out",
+        str(tmp_path / "t"),
+        "--calibration",
+        str(text_dir / "calib"),
+        "--steps",
+        "4",
+        "--eval-every",
+        "2",
+        "--prompt-len",
+        "48",
+        "--continuation",
+        "16",
+        "--lr",
+        "1e-2",
+        "--objective",
+        "kl",
+        "--warmup",
+        "1",
+        "--tail",
+        "4",
+    ]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout[: result.stdout.rindex("}") + 1])
@@ -171,9 +203,26 @@ def test_tune_writes_a_tuned_pack_and_its_curve(fitted_pack, text_dir, tmp_path)
 
 
 def test_fit_tunes_with_the_rate_and_objective_it_is_given(model_dirs, text_dir, tmp_path):
-    args = ["fit", *model_dirs, "--out", str(tmp_path / "p"), "--calibration", str(text_dir),
-            "--tokens", "1024", "--window", "128", "--top-k", "2", "--tune-steps", "2",
-            "--tune-lr", "0.01", "--tune-objective", "kl"]  # fmt: skip
+    args = [
+        "fit",
+        *model_dirs,
+        "--out",
+        str(tmp_path / "p"),
+        "--calibration",
+        str(text_dir),
+        "--tokens",
+        "1024",
+        "--window",
+        "128",
+        "--top-k",
+        "2",
+        "--tune-steps",
+        "2",
+        "--tune-lr",
+        "0.01",
+        "--tune-objective",
+        "kl",
+    ]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout[: result.stdout.rindex("}") + 1])

@@ -93,8 +93,11 @@ def test_bootstrap_interval_brackets_the_ratio_and_widens_with_the_level():
 
 
 def test_bootstrap_interval_of_identical_windows_is_the_point_and_undefined_is_none():
-    same = {"reference": torch.full((8,), 0.8), "mapped": torch.full((8,), 0.75),
-            "source": torch.full((8,), 0.7)}  # fmt: skip
+    same = {
+        "reference": torch.full((8,), 0.8),
+        "mapped": torch.full((8,), 0.75),
+        "source": torch.full((8,), 0.7),
+    }
     low, high = bootstrap_interval(same, "mapped", "source")
     assert low == pytest.approx(0.5) and high == pytest.approx(0.5)
     level = {**same, "source": same["reference"]}  # the target does not beat the source
@@ -158,8 +161,9 @@ def test_evaluated_repair_spans_mapped_tail_to_the_target_itself(tiny_pair, tiny
     windows = eval_windows(target.tokenizer, expand_paths([text_dir / "eval"]), 80, 2)
 
     def report(anchors):
-        return evaluate(tiny_mapper, source, target, windows, 64, 16, tail=4,
-                        repair=Repair(anchors, draft=2))  # fmt: skip
+        return evaluate(
+            tiny_mapper, source, target, windows, 64, 16, tail=4, repair=Repair(anchors, draft=2)
+        )
 
     none, every = report(0), report(10_000)
     assert none.repaired == none.mapped_tail

@@ -76,9 +76,15 @@ def assert_translated(
         matmul_dtype,
     )
     translate_pages(
-        mapper, src_pool, src_slots.to(DEVICE), dst_pool, dst_slots.to(DEVICE),
-        cache.positions.to(DEVICE), backend=backend, matmul_dtype=matmul_dtype,
-    )  # fmt: skip
+        mapper,
+        src_pool,
+        src_slots.to(DEVICE),
+        dst_pool,
+        dst_slots.to(DEVICE),
+        cache.positions.to(DEVICE),
+        backend=backend,
+        matmul_dtype=matmul_dtype,
+    )
     # The torch body is the reference: exact. In float32 the interpreter runs the reference's
     # operations one by one: exact too. A GPU may fuse multiply-adds, and the interpreter
     # rounds float32 -> bfloat16 toward zero where torch (and a GPU) round to nearest: there
@@ -105,8 +111,11 @@ def _tolerance(dtype) -> dict:
 def test_scattered_slots_get_the_reference_translation(
     tiny_pair, tiny_mapper, reduced_rank_mapper, residual_mapper, dtype, family, backend
 ):
-    mappers = {"k-layer": tiny_mapper, "reduced-rank": reduced_rank_mapper,
-               "residual": residual_mapper}  # fmt: skip
+    mappers = {
+        "k-layer": tiny_mapper,
+        "reduced-rank": reduced_rank_mapper,
+        "residual": residual_mapper,
+    }
     mapper = mappers[family]
     assert_translated(mapper, *tiny_pair, backend, dtype)
 
@@ -186,9 +195,11 @@ def test_pool_address_tables_are_copied_once_and_follow_moved_buffers(tiny_pair,
     dst_pool.values[1] = torch.full_like(dst_pool.values[1], float("nan"))  # moved
     translate_pages(mapper, src_pool, slots, dst_pool, slots, positions, backend="triton")
     assert triton_translate._device_table.cache_info().misses == built + 1
-    want = mapper.map(type(cache)(
-        [k.to(DEVICE) for k in cache.keys], [v.to(DEVICE) for v in cache.values], positions
-    ))  # fmt: skip
+    want = mapper.map(
+        type(cache)(
+            [k.to(DEVICE) for k in cache.keys], [v.to(DEVICE) for v in cache.values], positions
+        )
+    )
     torch.testing.assert_close(dst_pool.values[1], want.values[1], **_tolerance(torch.float32))
 
 
@@ -197,22 +208,36 @@ def test_wrong_pools_and_indices_are_refused(tiny_pair, tiny_mapper):
     slots = torch.arange(4)
     with pytest.raises(KVMapError, match="backend must be one of"):
         translate_pages(
-            tiny_mapper, pool(source.spec, 8), slots, pool(target.spec, 8), slots, slots,
+            tiny_mapper,
+            pool(source.spec, 8),
+            slots,
+            pool(target.spec, 8),
+            slots,
+            slots,
             backend="cuda",
-        )  # fmt: skip
+        )
     if importlib.util.find_spec("triton") is not None:
         strided = pool(target.spec, 8)
         strided.keys[0] = torch.full((16, *strided.keys[0].shape[1:]), 0.0)[::2]
         with pytest.raises(KVMapError, match="target pool's layers"):
             translate_pages(
-                tiny_mapper, pool(source.spec, 8), slots, strided, slots, slots,
+                tiny_mapper,
+                pool(source.spec, 8),
+                slots,
+                strided,
+                slots,
+                slots,
                 backend="triton",
-            )  # fmt: skip
+            )
     with pytest.raises(KVMapError, match="one device"):
         translate_pages(
-            tiny_mapper.to("meta"), pool(source.spec, 8), slots, pool(target.spec, 8), slots,
+            tiny_mapper.to("meta"),
+            pool(source.spec, 8),
             slots,
-        )  # fmt: skip
+            pool(target.spec, 8),
+            slots,
+            slots,
+        )
     with pytest.raises(KVMapError, match="pool geometry"):
         translate_pages(
             tiny_mapper, pool(target.spec, 8), slots, pool(target.spec, 8), slots, slots

@@ -45,7 +45,7 @@ def test_moments_captured_about_other_shifts_merge_exactly():
             torch.as_tensor(getattr(moved, name)),
             rtol=1e-6,
             atol=1e-3,
-        )  # fmt: skip  (batches multiply in float32)
+        )  # the tolerance: batches multiply in float32
     torch.testing.assert_close(merged.mean_x, x.double().mean(0))
     cols_x, cols_y = torch.arange(6), torch.arange(4)
     xc, yc = (x - x.mean(0)).double(), (y - y.mean(0)).double()

@@ -90,9 +90,11 @@ def test_parallel_draft_with_enough_sweeps_is_the_greedy_draft(tiny_pair):
     serial = draft_attention(source, cache, ids, draft=5)
     for sweeps in (4, 6):
         torch.testing.assert_close(
-            draft_attention(source, cache, ids, draft=5, sweeps=sweeps), serial,
-            rtol=1e-4, atol=1e-6,
-        )  # fmt: skip
+            draft_attention(source, cache, ids, draft=5, sweeps=sweeps),
+            serial,
+            rtol=1e-4,
+            atol=1e-6,
+        )
 
 
 def test_parallel_draft_reads_its_last_forward(tiny_pair):

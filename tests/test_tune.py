@@ -178,8 +178,13 @@ def test_a_tail_is_tuned_for_and_recorded(tiny_pair, mapper, text_dir):
 def test_tuning_grows_trains_and_keeps_a_residual(tiny_pair, reduced_mapper, text_dir, tmp_path):
     source, target = tiny_pair
     config = TuneConfig(steps=15, lr=3e-2, warmup=0, residual_hidden=8, **TINY_TUNING)
-    plain = tune_mapper(reduced_mapper, source, target, [text_dir / "calib"], TuneConfig(
-        steps=1, lr=3e-2, warmup=0, **TINY_TUNING))[1]  # fmt: skip
+    plain = tune_mapper(
+        reduced_mapper,
+        source,
+        target,
+        [text_dir / "calib"],
+        TuneConfig(steps=1, lr=3e-2, warmup=0, **TINY_TUNING),
+    )[1]
     tuned, report = tune_mapper(reduced_mapper, source, target, [text_dir / "calib"], config)
     # step 0 scores the fitted map: the residual starts at zero output
     assert report.curve[0]["heldout_nll"] == pytest.approx(plain.curve[0]["heldout_nll"], abs=1e-6)

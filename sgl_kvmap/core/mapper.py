@@ -178,9 +178,12 @@ class KVMapper:
             else {kind: r.apply(fn) for kind, r in self.residuals.items()}
         )
         return replace(
-            self, maps=maps, projections=projections, residuals=residuals,
+            self,
+            maps=maps,
+            projections=projections,
+            residuals=residuals,
             info=copy.deepcopy(self.info),
-        )  # fmt: skip
+        )
 
     def for_target_heads(self, heads: list[int]) -> KVMapper:
         """This mapper restricted to the target's KV ``heads`` (indices, in output order): what

@@ -87,11 +87,16 @@ def load_pack(folder: Path, mapper_class):
             else None
         )
         mapper = mapper_class(
-            source=source, target=target, selection=selection, maps=maps,
-            ridge=float(config["ridge"]), sink_tokens=int(config["sink_tokens"]),
+            source=source,
+            target=target,
+            selection=selection,
+            maps=maps,
+            ridge=float(config["ridge"]),
+            sink_tokens=int(config["sink_tokens"]),
             info={k: config.get(k, {}) for k in ("calibration", "metrics")},
-            projections=projections, residuals=residuals,
-        )  # fmt: skip
+            projections=projections,
+            residuals=residuals,
+        )
     except (KeyError, TypeError, ValueError, SafetensorError) as err:
         raise PackError(f"{folder}: malformed pack ({type(err).__name__}: {err})") from err
     except KVMapError as err:
@@ -224,9 +229,11 @@ def _residual(tensors: dict[str, torch.Tensor], kind: str, target_layers: int) -
     return Residual(
         _finite(tensors[f"{kind}.residual.in.weight"], name),
         _finite(tensors[f"{kind}.residual.in.bias"], name),
-        [_finite(tensors[f"{kind}.residual.{layer}.weight"], name)
-         for layer in range(target_layers)],
-    )  # fmt: skip
+        [
+            _finite(tensors[f"{kind}.residual.{layer}.weight"], name)
+            for layer in range(target_layers)
+        ],
+    )
 
 
 def _spec(config: dict[str, Any], role: str) -> ModelSpec:

@@ -98,15 +98,21 @@ class Moments:
         dx = self.shift_x - shift_x.to(ACC)
         dy = self.shift_y - shift_y.to(ACC)
         return Moments(
-            shift_x.to(ACC), shift_y.to(ACC), self.n,
+            shift_x.to(ACC),
+            shift_y.to(ACC),
+            self.n,
             self.sum_x + self.n * dx,
             self.sum_y + self.n * dy,
-            self.xx + torch.outer(self.sum_x, dx) + torch.outer(dx, self.sum_x)
+            self.xx
+            + torch.outer(self.sum_x, dx)
+            + torch.outer(dx, self.sum_x)
             + self.n * torch.outer(dx, dx),
-            self.xy + torch.outer(self.sum_x, dy) + torch.outer(dx, self.sum_y)
+            self.xy
+            + torch.outer(self.sum_x, dy)
+            + torch.outer(dx, self.sum_y)
             + self.n * torch.outer(dx, dy),
             self.yy + 2 * dy * self.sum_y + self.n * dy.square(),
-        )  # fmt: skip
+        )
 
     def merged(self, other: Moments) -> Moments:
         """Moments of the union of both samples, about this one's shifts (``other`` is
@@ -116,10 +122,15 @@ class Moments:
         ):
             other = other.reshifted(self.shift_x, self.shift_y)
         return Moments(
-            self.shift_x, self.shift_y, self.n + other.n,
-            self.sum_x + other.sum_x, self.sum_y + other.sum_y,
-            self.xx + other.xx, self.xy + other.xy, self.yy + other.yy,
-        )  # fmt: skip
+            self.shift_x,
+            self.shift_y,
+            self.n + other.n,
+            self.sum_x + other.sum_x,
+            self.sum_y + other.sum_y,
+            self.xx + other.xx,
+            self.xy + other.xy,
+            self.yy + other.yy,
+        )
 
     def centered_gram(self, x_cols: torch.Tensor) -> torch.Tensor:
         """Centred Gram [len(x_cols), len(x_cols)] of a column subset of x."""

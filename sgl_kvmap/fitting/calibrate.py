@@ -122,10 +122,11 @@ class PairStatistics:
         if not self.train:
             return other
         return PairStatistics(
-            self.source, self.target,
+            self.source,
+            self.target,
             {kind: self.train[kind].merged(other.train[kind]) for kind in KINDS},
             {kind: self.heldout[kind].merged(other.heldout[kind]) for kind in KINDS},
-        )  # fmt: skip
+        )
 
 
 @dataclass
@@ -152,9 +153,12 @@ class CalibrationState:
             raise KVMapError("cannot merge statistics of one direction with both directions'")
         reverse = None if self.reverse is None else self.reverse.merged(other.reverse)
         return CalibrationState(
-            self.forward.merged(other.forward), reverse, self.windows + other.windows,
-            self.capture_seconds + other.capture_seconds, self.attention_power,
-        )  # fmt: skip
+            self.forward.merged(other.forward),
+            reverse,
+            self.windows + other.windows,
+            self.capture_seconds + other.capture_seconds,
+            self.attention_power,
+        )
 
     @classmethod
     def empty(
@@ -380,9 +384,15 @@ class _FitInputs:
     def mapper(self, selection, maps, report: FitReport, projections=None) -> KVMapper:
         """The fitted mapper, with the settings and the report the pack records."""
         return KVMapper(
-            self.split.source, self.split.target, selection, maps, self.config.ridge,
-            self.config.sink_tokens, _info(self.recipe, report), projections=projections,
-        )  # fmt: skip
+            self.split.source,
+            self.split.target,
+            selection,
+            maps,
+            self.config.ridge,
+            self.config.sink_tokens,
+            _info(self.recipe, report),
+            projections=projections,
+        )
 
 
 def fit_from_statistics(
@@ -454,10 +464,14 @@ def _fit_k_layers(inputs: _FitInputs, started: float) -> tuple[KVMapper, FitRepo
     heldout = per_k[chosen]
     maps = fit_maps(inputs.everything, selection, geo, ridge)
     report = inputs.report(
-        started, chosen_k=max(layer_ks), layer_ks=layer_ks, per_k=per_k,
-        probe_scores=scores.float(), r2_k=per_layer[chosen]["k"].tolist(),
+        started,
+        chosen_k=max(layer_ks),
+        layer_ks=layer_ks,
+        per_k=per_k,
+        probe_scores=scores.float(),
+        r2_k=per_layer[chosen]["k"].tolist(),
         r2_v=per_layer[chosen]["v"].tolist(),
-    )  # fmt: skip
+    )
     mapper = inputs.mapper(selection, maps, report)
     log.info(
         "fitted %s -> %s: k=%s, held-out R2 K %.3f V %.3f",
@@ -480,11 +494,15 @@ def _fit_reduced_rank(inputs: _FitInputs, started: float) -> tuple[KVMapper, Fit
     rank = _smallest_within(per_rank, config.k_tolerance)
     fitted = {kind: fit_reduced_rank(inputs.everything[kind], geo, ridge, rank) for kind in KINDS}
     report = inputs.report(
-        started, chosen_k=geo.source_layers, layer_ks=[geo.source_layers] * geo.target_layers,
+        started,
+        chosen_k=geo.source_layers,
+        layer_ks=[geo.source_layers] * geo.target_layers,
         per_k={"chosen": per_rank[rank], **{f"rank {r}": v for r, v in per_rank.items()}},
-        probe_scores=torch.empty(0), r2_k=per_layer[rank]["k"].tolist(),
-        r2_v=per_layer[rank]["v"].tolist(), rank=rank,
-    )  # fmt: skip
+        probe_scores=torch.empty(0),
+        r2_k=per_layer[rank]["k"].tolist(),
+        r2_v=per_layer[rank]["v"].tolist(),
+        rank=rank,
+    )
     mapper = inputs.mapper(
         [list(range(geo.source_layers))] * geo.target_layers,
         {kind: [_float32(m) for m in fitted[kind][1]] for kind in KINDS},

@@ -152,7 +152,7 @@ class EvalReport:
                 ]
                 if self.repaired is not None
                 else []
-            ),  # fmt: skip
+            ),
             ("source model alone", self.source, _pct(_ratio(self.source, self.reference)), ""),
             ("target, no prefix", self.no_prefix, _pct(_ratio(self.no_prefix, self.reference)), ""),
         ]
@@ -407,25 +407,38 @@ def evaluate(
     acc = _Accumulator()
     for i in tqdm(range(len(windows)), desc="evaluating", unit="win"):
         scores = _evaluate_window(
-            mapper, runs.get(source, i), runs.get(target, i), source, target, runs, i, tail,
+            mapper,
+            runs.get(source, i),
+            runs.get(target, i),
+            source,
+            target,
+            runs,
+            i,
+            tail,
             repair,
-        )  # fmt: skip
+        )
         acc.add(scores, runs.continuation)
         if not shared:
             runs.forget(i)  # memory stays flat in the number of windows
     per_head_r2 = {kind: 1 - acc.sse[kind] / acc.sst[kind] for kind in ("k", "v")}
     return EvalReport(
-        reference=acc.quality("reference"), mapped=acc.quality("mapped"),
+        reference=acc.quality("reference"),
+        mapped=acc.quality("mapped"),
         mapped_tail=acc.quality("mapped_tail"),
-        source=acc.quality("source"), no_prefix=acc.quality("no_prefix"),
-        r2_k=per_head_r2["k"].mean(1).tolist(), r2_v=per_head_r2["v"].mean(1).tolist(),
+        source=acc.quality("source"),
+        no_prefix=acc.quality("no_prefix"),
+        r2_k=per_head_r2["k"].mean(1).tolist(),
+        r2_v=per_head_r2["v"].mean(1).tolist(),
         attention_cosine=(acc.cosine / acc.windows).tolist(),
-        windows=acc.windows, prefix_len=prefix_len, continuation=continuation, tail=tail,
+        windows=acc.windows,
+        prefix_len=prefix_len,
+        continuation=continuation,
+        tail=tail,
         sink_tokens=mapper.sink_tokens,
         repaired=acc.quality("repaired") if repair else None,
         repair=None if repair is None else f"{tail}-token tail + {repair}",
         by_window=acc.by_window,
-    )  # fmt: skip
+    )
 
 
 def _evaluate_window(
@@ -488,12 +501,18 @@ def _layer_fidelity(translated: KVCache, truth: OwnRun, target, sinks: int):
         sst[kind] = torch.stack(
             [(t.double() - t.double().mean(0)).square().sum((0, 2)) for _, t in layers]
         )
-    cosine = torch.tensor([
-        _attention_cosine(q, k_true, v_true, k_map, v_map)
-        for q, k_true, v_true, k_map, v_map in zip(
-            truth.queries, truth.cache.keys, truth.cache.values, translated.keys, translated.values
-        )
-    ])  # fmt: skip
+    cosine = torch.tensor(
+        [
+            _attention_cosine(q, k_true, v_true, k_map, v_map)
+            for q, k_true, v_true, k_map, v_map in zip(
+                truth.queries,
+                truth.cache.keys,
+                truth.cache.values,
+                translated.keys,
+                translated.values,
+            )
+        ]
+    )
     return sse, sst, cosine
 
 

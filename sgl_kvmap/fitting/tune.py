@@ -240,8 +240,9 @@ def _source_cache(source: LoadedModel, window: torch.Tensor, config: TuneConfig)
     """The source's cache of the translated part of the window's prompt, as ordinary tensors
     (``capture_kv`` returns inference tensors, which autograd may not save)."""
     cache = capture_kv(source.model, window[: handoff_split(config.prompt_len, config.tail)])
-    return KVCache([k.clone() for k in cache.keys], [v.clone() for v in cache.values],
-                   cache.positions.clone())  # fmt: skip
+    return KVCache(
+        [k.clone() for k in cache.keys], [v.clone() for v in cache.values], cache.positions.clone()
+    )
 
 
 def _score(mapper: KVMapper, target: LoadedModel, scored: list, config: TuneConfig) -> dict:

@@ -98,8 +98,9 @@ def _backend(backend: str, source: PagedKV, target: PagedKV) -> str:
         return "torch"
     from .triton_translate import supports
 
-    unsupported = [name for name, pool in (("source", source), ("target", target))
-                   if not supports(pool)]  # fmt: skip
+    unsupported = [
+        name for name, pool in (("source", source), ("target", target)) if not supports(pool)
+    ]
     if not unsupported:
         return "triton"
     if backend == "auto":

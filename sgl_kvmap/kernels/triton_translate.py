@@ -33,8 +33,19 @@ _TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.
 
 
 @triton.jit
-def _rotate(x, row, rows, cols, mask, cos, sin, n_pairs, HEAD_DIM: tl.constexpr,
-            INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr):  # fmt: skip
+def _rotate(
+    x,
+    row,
+    rows,
+    cols,
+    mask,
+    cos,
+    sin,
+    n_pairs,
+    HEAD_DIM: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    INVERSE: tl.constexpr,
+):
     """RoPE (or its inverse) of a [BLOCK_T, BLOCK_W] tile whose row pointers are ``row``: pair
     (a, b) -> (a c - b s, b c + a s); the inverse divides by c^2 + s^2 as ``rope.unrope``."""
     j = cols % HEAD_DIM
@@ -61,10 +72,22 @@ def _rotate(x, row, rows, cols, mask, cos, sin, n_pairs, HEAD_DIM: tl.constexpr,
 
 @triton.jit
 def _gather_content(
-    layer_ptrs, slots, cos, sin, out, tokens, slot_stride, n_pairs,
-    WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr, POOL: tl.constexpr, ROTATE: tl.constexpr,
-    INTERLEAVED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
-):  # fmt: skip
+    layer_ptrs,
+    slots,
+    cos,
+    sin,
+    out,
+    tokens,
+    slot_stride,
+    n_pairs,
+    WIDTH: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    POOL: tl.constexpr,
+    ROTATE: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
     """out[:, layer * WIDTH : (layer + 1) * WIDTH] = pool[layer][slots] (unroped if ROTATE)."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     layer = tl.program_id(1)
@@ -82,11 +105,25 @@ def _gather_content(
 
 @triton.jit
 def _scatter_content(
-    y_ptrs, y_strides, slots, cos, sin, layer_ptrs, tokens, slot_stride, n_pairs,
-    WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr, Y: tl.constexpr, ROUND: tl.constexpr,
-    POOL: tl.constexpr, ROTATE: tl.constexpr, INTERLEAVED: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
-):  # fmt: skip
+    y_ptrs,
+    y_strides,
+    slots,
+    cos,
+    sin,
+    layer_ptrs,
+    tokens,
+    slot_stride,
+    n_pairs,
+    WIDTH: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    Y: tl.constexpr,
+    ROUND: tl.constexpr,
+    POOL: tl.constexpr,
+    ROTATE: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
     """pool[layer][slots] = y[layer] (roped if ROTATE), rounded to ROUND, then stored as POOL."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     layer = tl.program_id(1)
@@ -144,24 +181,42 @@ def translate(
             tokens, len(src_layers) * mapper.source.kv_width, dtype=matmul_dtype, device=device
         )
         _gather_content[grid(len(src_layers))](
-            _addresses(src_layers), source_slots, *src_tables, features, tokens,
-            src_layers[0].stride(0), src_tables[0].shape[1],
-            WIDTH=mapper.source.kv_width, HEAD_DIM=mapper.source.head_dim,
-            POOL=_TRITON_DTYPES[pool_dtype], ROTATE=rotate,
+            _addresses(src_layers),
+            source_slots,
+            *src_tables,
+            features,
+            tokens,
+            src_layers[0].stride(0),
+            src_tables[0].shape[1],
+            WIDTH=mapper.source.kv_width,
+            HEAD_DIM=mapper.source.head_dim,
+            POOL=_TRITON_DTYPES[pool_dtype],
+            ROTATE=rotate,
             INTERLEAVED=mapper.source.rope_style == "interleaved",
-            BLOCK_T=TOKENS_PER_PROGRAM, BLOCK_W=triton.next_power_of_2(mapper.source.kv_width),
-        )  # fmt: skip
+            BLOCK_T=TOKENS_PER_PROGRAM,
+            BLOCK_W=triton.next_power_of_2(mapper.source.kv_width),
+        )
         products = mapper.content_products(kind, features)
         y_ptrs, y_strides = _output_tables(products, mapper.target.kv_width, device)
         _scatter_content[grid(len(dst_layers))](
-            y_ptrs, y_strides, target_slots, *tgt_tables, _addresses(dst_layers), tokens,
-            dst_layers[0].stride(0), tgt_tables[0].shape[1],
-            WIDTH=mapper.target.kv_width, HEAD_DIM=mapper.target.head_dim,
-            Y=_TRITON_DTYPES[matmul_dtype], ROUND=_TRITON_DTYPES[pool_dtype],
-            POOL=_TRITON_DTYPES[dst_layers[0].dtype], ROTATE=rotate,
+            y_ptrs,
+            y_strides,
+            target_slots,
+            *tgt_tables,
+            _addresses(dst_layers),
+            tokens,
+            dst_layers[0].stride(0),
+            tgt_tables[0].shape[1],
+            WIDTH=mapper.target.kv_width,
+            HEAD_DIM=mapper.target.head_dim,
+            Y=_TRITON_DTYPES[matmul_dtype],
+            ROUND=_TRITON_DTYPES[pool_dtype],
+            POOL=_TRITON_DTYPES[dst_layers[0].dtype],
+            ROTATE=rotate,
             INTERLEAVED=mapper.target.rope_style == "interleaved",
-            BLOCK_T=TOKENS_PER_PROGRAM, BLOCK_W=triton.next_power_of_2(mapper.target.kv_width),
-        )  # fmt: skip
+            BLOCK_T=TOKENS_PER_PROGRAM,
+            BLOCK_W=triton.next_power_of_2(mapper.target.kv_width),
+        )
 
 
 def _addresses(layers: list[torch.Tensor]) -> torch.Tensor:

@@ -257,8 +257,7 @@ def _to_hf(cache: KVCache):
     from transformers import DynamicCache
 
     pairs = [
-        (k.transpose(0, 1)[None], v.transpose(0, 1)[None])
-        for k, v in zip(cache.keys, cache.values)
+        (k.transpose(0, 1)[None], v.transpose(0, 1)[None]) for k, v in zip(cache.keys, cache.values)
     ]
     return DynamicCache(ddp_cache_data=pairs)
 

@@ -195,8 +195,13 @@ def draft_attention(
             f"a draft needs a cached prompt token, draft >= 1 and sweeps >= 0, "
             f"got draft {draft}, sweeps {sweeps}"
         )
-    step = run(source_model, token_ids[cached:], past=source_cache.slice(0, cached),
-               logits_to_keep=1, want_queries=True)  # fmt: skip
+    step = run(
+        source_model,
+        token_ids[cached:],
+        past=source_cache.slice(0, cached),
+        logits_to_keep=1,
+        want_queries=True,
+    )
     last = [q[-1:] for q in step.queries]
     if draft == 1:
         return attention_paid(last, step.cache.keys)[: prompt_len - 1]
@@ -222,9 +227,13 @@ def _serial_draft(source_model, cache: KVCache, first: torch.Tensor, count: int)
 
 
 def _parallel_draft(
-    source_model, cache: KVCache, token_ids: torch.Tensor, first: torch.Tensor, count: int,
+    source_model,
+    cache: KVCache,
+    token_ids: torch.Tensor,
+    first: torch.Tensor,
+    count: int,
     sweeps: int,
-):  # fmt: skip
+):
     """Jacobi decoding of ``count`` tokens from ``first: [1]`` after ``cache`` (the prompt
     ``token_ids`` read): the block [first, guess...] starts from ``lookup_guess`` and each of
     ``sweeps`` parallel forwards replaces the guess by the source's argmax at every position.

@@ -73,9 +73,10 @@ def prefetch_deadline(
     per_token = max(0.0, (t2 - t1) / (n2 - n1)) if n2 > n1 else t2 / n2
     fixed = max(0.0, t1 - per_token * n1)
     return PrefetchDeadline(
-        policy, base=round(max(1.0, margin * fixed), 2),
+        policy,
+        base=round(max(1.0, margin * fixed), 2),
         per_ki_token=round(max(0.25, margin * per_token * 1024), 3),
-    )  # fmt: skip
+    )
 
 
 def engine_commands(
@@ -141,6 +142,7 @@ def _command(engine, peers, store, store_path, page_size, deadline) -> list[str]
     deadline = deadline if peers else None
     extra = sglang_extra_config(settings, store_path, deadline)
     policy = ["--hicache-storage-prefetch-policy", deadline.policy] if deadline else []
+    # one flag and its value a line, as on a command line
     return [
         "python", "-m", "sglang.launch_server",
         "--model-path", engine.model_path,

@@ -60,11 +60,18 @@ class PageRecord:
     def to_tensor(self) -> torch.Tensor:
         """The record as [RECORD_BYTES] uint8: JSON padded with spaces."""
         text = json.dumps(
-            {"format": RECORD_FORMAT, "version": RECORD_VERSION, "index": self.index,
-             "parent": self.parent, "page": self.page.to_dict(), "tp_rank": self.tp_rank,
-             "tp_size": self.tp_size, "crc32": self.crc32},
+            {
+                "format": RECORD_FORMAT,
+                "version": RECORD_VERSION,
+                "index": self.index,
+                "parent": self.parent,
+                "page": self.page.to_dict(),
+                "tp_rank": self.tp_rank,
+                "tp_size": self.tp_size,
+                "crc32": self.crc32,
+            },
             sort_keys=True,
-        ).encode()  # fmt: skip
+        ).encode()
         if len(text) > RECORD_BYTES:
             raise KVMapError(f"a page record of {len(text)} bytes exceeds {RECORD_BYTES}")
         return torch.frombuffer(bytearray(text.ljust(RECORD_BYTES)), dtype=torch.uint8)

@@ -190,11 +190,14 @@ class KVMapStorage(HiCacheStorage):
         configs = {r: _peer_config(self.storage_config, settings, r) for r in ranks}
         log.info("sgl-kvmap: translating pages of %s with %s", settings.model_name, settings.pack)
         return Peer(
-            settings, peer, ranks,
+            settings,
+            peer,
+            ranks,
             pages={r: _built_in(self.settings.inner_backend, c) for r, c in configs.items()},
             records={r: _records_store(c) for r, c in configs.items()},
-            mapper=mapper.to(device), device=device,
-        )  # fmt: skip
+            mapper=mapper.to(device),
+            device=device,
+        )
 
     def _this_ranks_mapper(self, mapper: KVMapper) -> KVMapper:
         """The pair's mapper restricted to the KV heads this TP rank holds (SGLang's rule)."""

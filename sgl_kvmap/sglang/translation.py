@@ -36,9 +36,14 @@ def translate_tokens(
         slots = torch.arange(source.shape[1], device=device)
         pools = PagedKV.token_major(source), PagedKV.token_major(target)
         translate_pages(
-            mapper, pools[0], slots, pools[1], slots, positions.to(device),
+            mapper,
+            pools[0],
+            slots,
+            pools[1],
+            slots,
+            positions.to(device),
             matmul_dtype=matmul_dtype,
-        )  # fmt: skip
+        )
         result.copy_(target, non_blocking=on_gpu)
     if on_gpu:
         stream.synchronize()
