@@ -105,19 +105,13 @@ def main(pack, windows, prefix_len, continuation, page, out) -> None:
             off = StorageSettings(interface_v1=True)
             engines = [
                 Engine(
-                    small,
-                    names[0],
-                    sglang_extra_config(off, store),
+                    model,
+                    served,
+                    sglang_extra_config(storage, store),
                     page_size=page,
                     slots=2 * len(window),
-                ),
-                Engine(
-                    large,
-                    names[1],
-                    sglang_extra_config(on, store),
-                    page_size=page,
-                    slots=2 * len(window),
-                ),
+                )
+                for model, served, storage in ((small, names[0], off), (large, names[1], on))
             ]
             try:
                 engines[0].serve(history.tolist())

@@ -11,6 +11,27 @@ from sgl_kvmap.fitting.config import FAMILY_RATES, DemoConfig, PackRecipe
 from .conftest import save_loaded
 
 
+def succeed(args: list[str]):
+    """Run the command line with ``args``; it must exit 0."""
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def printed_json(output: str) -> dict:
+    """The JSON summary `fit` and `tune` print above their last line."""
+    return json.loads(output[: output.rindex("}") + 1])
+
+
+def tiny_fit(model_dirs, out, *calibration) -> list[str]:
+    """`fit` arguments for the tiny pair: a pack at ``out`` from 1,024 tokens of ``calibration``
+    (folders or files)."""
+    args = ["fit", *model_dirs, "--out", str(out), "--tokens", "1024", "--window", "128"]
+    for text in calibration:
+        args += ["--calibration", str(text)]
+    return args
+
+
 @pytest.fixture(scope="module")
 def model_dirs(tiny_pair, tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
@@ -20,32 +41,15 @@ def model_dirs(tiny_pair, tmp_path_factory):
 @pytest.fixture(scope="module")
 def fitted_pack(model_dirs, text_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("packs") / "pack"
-    args = [
-        "fit",
-        *model_dirs,
-        "--out",
-        str(out),
-        "--calibration",
-        str(text_dir / "calib"),
-        "--tokens",
-        "1024",
-        "--window",
-        "128",
-        "--top-k",
-        "2",
-        "--attention-power",
-        "0.5",
-        "--tune-steps",
-        "0",
-    ]
-    result = CliRunner().invoke(main, args)
-    assert result.exit_code == 0, result.output
+    args = tiny_fit(model_dirs, out, text_dir / "calib")
+    args += ["--top-k", "2", "--attention-power", "0.5", "--tune-steps", "0"]
+    result = succeed(args)
     return out, result.stdout
 
 
 def test_fit_writes_a_valid_pack_and_prints_its_summary(fitted_pack):
     out, output = fitted_pack
-    summary = json.loads(output[: output.rindex("}") + 1])
+    summary = printed_json(output)
     assert summary["k"] == 2 and summary["rank"] is None  # an explicit --top-k: k layers
     assert summary["train_tokens"] > 0
     assert (out / "mapper.safetensors").is_file()
@@ -54,8 +58,7 @@ def test_fit_writes_a_valid_pack_and_prints_its_summary(fitted_pack):
 
 
 def test_inspect_shows_the_pair(fitted_pack, model_dirs):
-    result = CliRunner().invoke(main, ["inspect", str(fitted_pack[0])])
-    assert result.exit_code == 0, result.output
+    result = succeed(["inspect", str(fitted_pack[0])])
     assert model_dirs[0] in result.output and "kv 1x32" in result.output and "k 2" in result.output
 
 
@@ -83,14 +86,12 @@ def test_eval_json_has_every_baseline(fitted_pack, text_dir):
         "40",
         "--json",
     ]
-    result = CliRunner().invoke(main, args)
-    assert result.exit_code == 0, result.output
+    result = succeed(args)
     report = json.loads(result.stdout)
     speed = report["speed"]  # the same hand-off, timed against re-prefill
     assert speed["tokens"] == 40 and speed["tail"] == 4 and speed["anchors"] == 6
     assert speed["prefill_seconds"] > 0 and speed["total_seconds"] > speed["map_seconds"] > 0
-    table = CliRunner().invoke(main, args[:-1])  # the same run as a table
-    assert table.exit_code == 0, table.output
+    table = succeed(args[:-1])  # the same run as a table
     assert "bootstrap intervals over the 2 windows" in table.stdout
     assert "cost at 40 tokens" in table.stdout and "6 anchors, 4-token tail" in table.stdout
     assert {"reference", "mapped", "mapped_tail", "source", "no_prefix", "attention_cosine"} <= set(
@@ -124,24 +125,10 @@ def test_fit_defaults_to_an_auto_rank_pack_tuned_at_its_familys_rate(
     model_dirs, text_dir, tmp_path
 ):
     email = Path(sysconfig.get_paths()["stdlib"]) / "email"  # text for 120 tuning windows
-    args = [
-        "fit",
-        *model_dirs,
-        "--out",
-        str(tmp_path / "p"),
-        "--calibration",
-        str(text_dir),
-        "--calibration",
-        str(email),
-        "--tokens",
-        "1024",
-        "--window",
-        "128",
-    ]
-    result = CliRunner().invoke(main, args)
-    assert result.exit_code == 0, result.output
+    args = tiny_fit(model_dirs, tmp_path / "p", text_dir, email)
+    result = succeed(args)
     pack = json.loads((tmp_path / "p" / "kvmap.json").read_text())
-    summary = json.loads(result.stdout[: result.stdout.rindex("}") + 1])
+    summary = printed_json(result.stdout)
     assert pack["calibration"]["rank"] == "auto"
     # the guard chose by held-out R2 (which family wins depends on this repository's own text)
     assert pack["rank"] == summary["rank"]
@@ -150,8 +137,7 @@ def test_fit_defaults_to_an_auto_rank_pack_tuned_at_its_familys_rate(
     assert (tuning["steps"], tuning["warmup"]) == (120, 20)
     assert tuning["lr"] == summary["tune_lr"] == FAMILY_RATES[family]
     args += ["--tune-steps", "0"]
-    fixed = CliRunner().invoke(main, [*args, "--rank", "96"])
-    assert fixed.exit_code == 0, fixed.output
+    succeed([*args, "--rank", "96"])
     assert json.loads((tmp_path / "p" / "kvmap.json").read_text())["rank"] == 96
     bad = CliRunner().invoke(main, [*args, "--rank", "many"])
     assert bad.exit_code == 2 and "'auto', 'none' or an integer" in bad.output
@@ -188,9 +174,8 @@ def test_tune_writes_a_tuned_pack_and_its_curve(fitted_pack, text_dir, tmp_path)
         "--tail",
         "4",
     ]
-    result = CliRunner().invoke(main, args)
-    assert result.exit_code == 0, result.output
-    summary = json.loads(result.stdout[: result.stdout.rindex("}") + 1])
+    result = succeed(args)
+    summary = printed_json(result.stdout)
     assert [point["step"] for point in summary["curve"]] == [0, 2, 4]
     assert all("heldout_kl" in point for point in summary["curve"])
     pack = json.loads((tmp_path / "t" / "kvmap.json").read_text())
@@ -203,29 +188,10 @@ def test_tune_writes_a_tuned_pack_and_its_curve(fitted_pack, text_dir, tmp_path)
 
 
 def test_fit_tunes_with_the_rate_and_objective_it_is_given(model_dirs, text_dir, tmp_path):
-    args = [
-        "fit",
-        *model_dirs,
-        "--out",
-        str(tmp_path / "p"),
-        "--calibration",
-        str(text_dir),
-        "--tokens",
-        "1024",
-        "--window",
-        "128",
-        "--top-k",
-        "2",
-        "--tune-steps",
-        "2",
-        "--tune-lr",
-        "0.01",
-        "--tune-objective",
-        "kl",
-    ]
-    result = CliRunner().invoke(main, args)
-    assert result.exit_code == 0, result.output
-    summary = json.loads(result.stdout[: result.stdout.rindex("}") + 1])
+    args = tiny_fit(model_dirs, tmp_path / "p", text_dir)
+    args += ["--top-k", "2", "--tune-steps", "2", "--tune-lr", "0.01", "--tune-objective", "kl"]
+    result = succeed(args)
+    summary = printed_json(result.stdout)
     assert summary["tune_steps"] == 2 and summary["tune_objective"] == "kl"
     tuning = json.loads((tmp_path / "p" / "kvmap.json").read_text())["calibration"]["tuning"]
     assert (tuning["steps"], tuning["lr"], tuning["objective"]) == (2, 0.01, "kl")
@@ -238,8 +204,7 @@ def test_sglang_args_give_the_target_its_peer_and_pack(fitted_pack, model_dirs):
 
     source, target = model_dirs
     args = ["sglang-args", "--engine", source, "--engine", f"{target}=big", "--pack"]
-    result = CliRunner().invoke(main, [*args, str(fitted_pack[0]), "--port", "31000"])
-    assert result.exit_code == 0, result.output
+    result = succeed([*args, str(fitted_pack[0]), "--port", "31000"])
     commands = [shlex.split(line) for line in result.output.splitlines() if line.startswith("py")]
     assert len(commands) == 2
     assert "# prefetch deadline:" in result.output and "1 thread" in result.output
@@ -309,9 +274,7 @@ def test_without_options_fit_and_demo_run_the_library_defaults(model_dirs, tmp_p
 
     monkeypatch.setattr(build, "build_pack", build_pack)
     monkeypatch.setattr(demo, "run_demo", run_demo)
-    fit = CliRunner().invoke(main, ["fit", *model_dirs, "--out", str(tmp_path / "pack")])
-    assert fit.exit_code == 0, fit.output
+    succeed(["fit", *model_dirs, "--out", str(tmp_path / "pack")])
     assert seen["recipe"] == PackRecipe()
-    shown = CliRunner().invoke(main, ["demo"])
-    assert shown.exit_code == 0 and shown.output == "table\n"
+    assert succeed(["demo"]).output == "table\n"
     assert seen["demo"] == DemoConfig()
