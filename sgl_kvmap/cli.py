@@ -20,6 +20,8 @@ from .fitting.config import (
     TuneConfig,
 )
 from .models.transfer import Repair
+from .sglang.launch import PAGE_SIZE, PREFETCH_POLICIES, STORE_PATH, EngineSpec, PrefetchDeadline
+from .sglang.settings import INNER_BACKENDS, StorageSettings
 
 # the defaults every option shows and falls back to (sgl_kvmap/fitting/config.py)
 PACK, TUNE, EVAL, DEMO = PackRecipe(), TuneConfig(), EvalConfig(), DemoConfig()
@@ -591,27 +593,31 @@ def demo(
 )
 @click.option(
     "--store",
-    type=click.Choice(["file"]),
-    default="file",
+    type=click.Choice(INNER_BACKENDS),
+    default=StorageSettings.inner_backend,
     show_default=True,
     help="Built-in HiCache store the engines share (file: one node; Mooncake and 3FS are not "
     "supported yet).",
 )
-@click.option("--store-path", default="/tmp/sgl-kvmap-hicache", show_default=True)
-@click.option("--page-size", default=64, show_default=True)
-@click.option("--port", default=30000, show_default=True, help="First engine's port (+1 each).")
-@click.option("--tp", "tp_size", default=1, show_default=True, help="Tensor parallel size.")
+@click.option("--store-path", default=STORE_PATH, show_default=True)
+@click.option("--page-size", default=PAGE_SIZE, show_default=True)
+@click.option(
+    "--port", default=EngineSpec.port, show_default=True, help="First engine's port (+1 each)."
+)
+@click.option(
+    "--tp", "tp_size", default=EngineSpec.tp_size, show_default=True, help="Tensor parallel size."
+)
 @click.option(
     "--prefetch-policy",
-    type=click.Choice(["timeout", "wait_complete", "best_effort"]),
-    default="timeout",
+    type=click.Choice(PREFETCH_POLICIES),
+    default=PrefetchDeadline.policy,
     show_default=True,
     help="SGLang's prefetch stop policy for engines that translate; with timeout, the deadline "
     "is set from the packs' translation time measured on this machine.",
 )
 def sglang_args(engines, packs, store, store_path, page_size, port, tp_size, prefetch_policy):
     """Print the SGLang launch command of every ENGINE, sharing prefixes through sgl-kvmap."""
-    from .sglang.launch import EngineSpec, engine_commands, measured_deadline, shell_line
+    from .sglang.launch import engine_commands, measured_deadline, shell_line
 
     specs = [
         EngineSpec(*engine.split("=", 1), port=port + i, tp_size=tp_size)

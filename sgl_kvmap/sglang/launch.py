@@ -23,6 +23,8 @@ from ..core.spec import spec_from_pretrained
 from .settings import INNER_BACKENDS, PeerSettings, StorageSettings
 
 PREFETCH_POLICIES = ("timeout", "wait_complete", "best_effort")
+STORE_PATH = "/tmp/sgl-kvmap-hicache"  # the file store's folder
+PAGE_SIZE = 64  # every engine's --page-size (tokens per page)
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,7 @@ class PrefetchDeadline:
 
 
 def prefetch_deadline(
-    measured: list[tuple[int, float]], margin: float = 2.0, policy: str = "timeout"
+    measured: list[tuple[int, float]], margin: float = 2.0, policy: str = PrefetchDeadline.policy
 ) -> PrefetchDeadline:
     """A deadline ``margin`` times the translation time at every length, from (tokens,
     seconds) measured at two lengths (the time is linear in tokens); never below SGLang's
@@ -82,9 +84,9 @@ def prefetch_deadline(
 def engine_commands(
     engines: list[EngineSpec],
     packs: list[str | Path],
-    store: str = "file",
-    store_path: str = "/tmp/sgl-kvmap-hicache",
-    page_size: int = 64,
+    store: str = StorageSettings.inner_backend,
+    store_path: str = STORE_PATH,
+    page_size: int = PAGE_SIZE,
     deadline: PrefetchDeadline | None = None,
 ) -> list[list[str]]:
     """argv of ``python -m sglang.launch_server`` for every engine (same order). ``deadline``:
@@ -164,7 +166,9 @@ def shell_line(argv: list[str]) -> str:
 
 
 def measured_deadline(
-    packs: list[str | Path], policy: str = "timeout", lengths: tuple[int, int] = (512, 2048)
+    packs: list[str | Path],
+    policy: str = PrefetchDeadline.policy,
+    lengths: tuple[int, int] = (512, 2048),
 ) -> tuple[PrefetchDeadline, list[str]]:
     """The prefetch deadline for the slowest pack's translation, timed on this machine as an
     engine runs it (one thread; on the GPU when there is one), and a line per pack saying
