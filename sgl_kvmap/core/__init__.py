@@ -3,5 +3,6 @@
 Model specs and RoPE (``spec``, ``rope``), the cache layout (``cache``), streaming statistics
 and the closed-form fit (``stats``, ``fit``, ``token_weights``, ``residual``), the mapper
 (``mapper``) and its pack folder format (``pack``). Nothing here runs a model: it needs torch
-(and transformers' configs, never their weights). Imports nothing from the rest of sgl-kvmap.
+(and transformers' configs, never their weights). Imports nothing from the rest of sgl-kvmap
+but its version.
 """

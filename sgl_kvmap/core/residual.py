@@ -10,7 +10,7 @@ one hidden layer shared by every target layer and one output matrix per target l
 
 Per token it adds (rank + target layers x wt) x hidden multiply-adds to the map's (source width
 + target layers x wt) x rank. ``initial_residual`` starts it at B = 0, exactly the linear map,
-and only downstream tuning (``tune.TuneConfig.residual_hidden``) trains it: the closed-form fit
+and only downstream tuning (``config.TuneConfig.residual_hidden``) trains it: the closed-form fit
 has no non-linear part.
 """
 
