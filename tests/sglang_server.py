@@ -66,8 +66,17 @@ from sgl_kvmap.sglang.heads import rank_heads
 
 PAGE = 8
 SLOTS = 1024
-_RANKS = ("pp_rank", "moe_ep_rank", "moe_dp_rank", "moe_tp_rank", "attn_cp_rank", "dcp_rank",
-          "attn_dcp_rank", "attn_dp_rank", "dp_rank")  # fmt: skip
+_RANKS = (
+    "pp_rank",
+    "moe_ep_rank",
+    "moe_dp_rank",
+    "moe_tp_rank",
+    "attn_cp_rank",
+    "dcp_rank",
+    "attn_dcp_rank",
+    "attn_dp_rank",
+    "dp_rank",
+)
 
 
 def _unpinned_host_pool():
@@ -124,22 +133,36 @@ class Engine:
     docstring); ``tp_rank``/``tp_size``: which shard of a tensor-parallel engine this is."""
 
     def __init__(
-        self, model: LoadedModel, name: str, extra: dict, tp_rank=0, tp_size=1,
-        dtype=torch.bfloat16, layout="page_first", page_size=PAGE, slots=SLOTS,
-    ):  # fmt: skip
+        self,
+        model: LoadedModel,
+        name: str,
+        extra: dict,
+        tp_rank=0,
+        tp_size=1,
+        dtype=torch.bfloat16,
+        layout="page_first",
+        page_size=PAGE,
+        slots=SLOTS,
+    ):
         self.model, self.name, self.page_size, self.slots = model, name, page_size, slots
         self.heads = rank_heads(model.spec.num_kv_heads, tp_size, tp_rank)
         get_parallel().override_permanently(tp_rank=tp_rank, **dict.fromkeys(_RANKS, 0))
         self._args = get_context().override_server_args(
-            model_path=name, served_model_name=name, device="cpu", page_size=page_size,
+            model_path=name,
+            served_model_name=name,
+            device="cpu",
+            page_size=page_size,
             tp_size=tp_size,
-            enable_hierarchical_cache=True, hicache_ratio=2.0, hicache_mem_layout=layout,
-            hicache_write_policy="write_through", hicache_storage_backend="dynamic",
+            enable_hierarchical_cache=True,
+            hicache_ratio=2.0,
+            hicache_mem_layout=layout,
+            hicache_write_policy="write_through",
+            hicache_storage_backend="dynamic",
             hicache_storage_prefetch_policy="wait_complete",
             hicache_storage_backend_extra_config=json.dumps(
                 {"prefetch_threshold": page_size, **extra}
             ),
-        )  # fmt: skip
+        )
         server_args = self._args.install()
         try:
             self._build(server_args, tp_rank, tp_size, dtype)
@@ -154,10 +177,17 @@ class Engine:
     def _build(self, server_args, tp_rank: int, tp_size: int, dtype: torch.dtype) -> None:
         spec = self.model.spec
         self.device = MHATokenToKVPool(
-            size=self.slots, page_size=self.page_size, dtype=dtype, head_num=len(self.heads),
-            head_dim=spec.head_dim, layer_num=spec.num_layers, device="cpu",
-            enable_memory_saver=False, start_layer=0, end_layer=spec.num_layers,
-        )  # fmt: skip
+            size=self.slots,
+            page_size=self.page_size,
+            dtype=dtype,
+            head_num=len(self.heads),
+            head_dim=spec.head_dim,
+            layer_num=spec.num_layers,
+            device="cpu",
+            enable_memory_saver=False,
+            start_layer=0,
+            end_layer=spec.num_layers,
+        )
         self.allocator = PagedTokenToKVPoolAllocator(
             self.slots, self.page_size, dtype, "cpu", self.device, need_sort=False
         )
@@ -165,9 +195,11 @@ class Engine:
             size=8, max_context_len=self.slots, device="cpu", enable_memory_saver=False
         )
         params = CacheInitParams(
-            disable=False, req_to_token_pool=self.requests,
-            token_to_kv_pool_allocator=self.allocator, page_size=self.page_size,
-        )  # fmt: skip
+            disable=False,
+            req_to_token_pool=self.requests,
+            token_to_kv_pool_allocator=self.allocator,
+            page_size=self.page_size,
+        )
         with host_memory_budget_scope(1 << 30):
             self.tree = self._tree(server_args, params, tp_rank, tp_size)
 
@@ -175,12 +207,19 @@ class Engine:
     def _tree(server_args, params, tp_rank: int, tp_size: int):
         return create_unified_radix_cache(
             TreeCacheBuildContext(
-                server_args=server_args, params=params, is_hybrid_swa=False,
-                is_hybrid_ssm=False, enable_hierarchical_cache=True, disable_radix_cache=False,
-                tp_worker=_Worker(), model_config=None, tp_size=tp_size, tp_rank=tp_rank,
+                server_args=server_args,
+                params=params,
+                is_hybrid_swa=False,
+                is_hybrid_ssm=False,
+                enable_hierarchical_cache=True,
+                disable_radix_cache=False,
+                tp_worker=_Worker(),
+                model_config=None,
+                tp_size=tp_size,
+                tp_rank=tp_rank,
                 tp_group=None,
             )
-        )  # fmt: skip
+        )
 
     def serve(self, tokens: list[int]) -> Served:
         """One request of prompt ``tokens`` through the scheduler's steps (module docstring)."""
@@ -194,19 +233,25 @@ class Engine:
         """Steps 1-4: prefetch, admission, allocation and load-back. Returns the request and
         the device slots of its prompt tokens."""
         self._served += 1
-        req = Req(f"{self.name}-{self._served}", "", array("q", tokens),
-                  SamplingParams(max_new_tokens=1))  # fmt: skip
+        req = Req(
+            f"{self.name}-{self._served}", "", array("q", tokens), SamplingParams(max_new_tokens=1)
+        )
         Scheduler._prefetch_kvcache(self, req)
         self._pump_until(lambda: self.tree.check_prefetch_progress(req.cache_request_handle))
         self.tree.pop_prefetch_loaded_span(req.cache_request_handle)
         req.init_next_round_input(self.tree)
         self._admit(req)
         batch = ScheduleBatch.init_new(
-            [req], self.requests, self.allocator, self.tree,
-            SimpleNamespace(vocab_size=self.model.spec.config["vocab_size"],
-                            is_encoder_decoder=False),
-            False, SpeculativeAlgorithm.NONE,
-        )  # fmt: skip
+            [req],
+            self.requests,
+            self.allocator,
+            self.tree,
+            SimpleNamespace(
+                vocab_size=self.model.spec.config["vocab_size"], is_encoder_decoder=False
+            ),
+            False,
+            SpeculativeAlgorithm.NONE,
+        )
         batch.prepare_for_extend()
         self.tree.ready_to_load_host_cache()
         return req, self.requests.req_to_token[req.kv.req_pool_idx, : len(tokens)].clone()
@@ -218,9 +263,12 @@ class Engine:
         out = run(self.model.model, rest, past=past, logits_to_keep=rest.numel())
         for layer, (k, v) in enumerate(zip(out.cache.keys, out.cache.values)):
             self.device.set_kv_buffer(
-                None, slots[prefix:], k[prefix:, self.heads], v[prefix:, self.heads],
+                None,
+                slots[prefix:],
+                k[prefix:, self.heads],
+                v[prefix:, self.heads],
                 layer_id_override=layer,
-            )  # fmt: skip
+            )
         return out.logits
 
     def finish(self, req: Req, logits: torch.Tensor) -> None:
@@ -287,8 +335,9 @@ class TPGroup:
         assert len(prefixes) == 1, f"the ranks disagree on the cached prefix: {prefixes}"
         prefix = prefixes.pop()
         past = self.pool_kv([slots[:prefix] for _, slots in begun]) if prefix else None
-        logits = [rank.compute(tokens, slots, prefix, past)
-                  for rank, (_, slots) in zip(self.ranks, begun)][0]  # fmt: skip
+        logits = [
+            rank.compute(tokens, slots, prefix, past) for rank, (_, slots) in zip(self.ranks, begun)
+        ][0]
         for rank, (req, _) in zip(self.ranks, begun):
             rank.finish(req, logits)
         return [Served(prefix, slots, logits) for _, slots in begun]

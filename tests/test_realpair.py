@@ -116,8 +116,15 @@ def test_tuning_the_real_map_lowers_its_loss_on_unseen_text(fitted, reports, pai
     """A few steps of downstream tuning (calibration text only) must carry over to the
     evaluation text, which no step or held-out score saw."""
     mapper, _ = fitted[0]
-    config = TuneConfig(steps=8, lr=3e-4, prompt_len=PREFIX, continuation=64, eval_every=4,
-                        heldout_windows=2, warmup=0)  # fmt: skip
+    config = TuneConfig(
+        steps=8,
+        lr=3e-4,
+        prompt_len=PREFIX,
+        continuation=64,
+        eval_every=4,
+        heldout_windows=2,
+        warmup=0,
+    )
     # the stdlib, as the fit reads it: the floors below were measured on its held-out windows
     tuned, tuning = tune_mapper(mapper, *pair, stdlib_files(), config)
     gain = tuning.curve[0]["heldout_nll"] - tuning.best["heldout_nll"]

@@ -321,9 +321,11 @@ def test_a_peer_storing_float16_is_read_as_float16(cluster):
     """The peer's dtype is read from each page's record, not assumed."""
     prompt = tokens(3 * PAGE + 1, seed=23)
     a = Engine(
-        cluster.deployment["models"][0], cluster.deployment["names"][0],
-        cluster.extra(0, translate=False), dtype=torch.float16,
-    )  # fmt: skip
+        cluster.deployment["models"][0],
+        cluster.deployment["names"][0],
+        cluster.extra(0, translate=False),
+        dtype=torch.float16,
+    )
     cluster.engines.append(a)
     b = cluster.engine(1)
     sent = a.serve(prompt)
@@ -369,8 +371,9 @@ def test_a_damaged_peer_page_ends_the_translated_run(cluster, damage):
         nan = torch.full((size // 2,), float("nan"), dtype=torch.bfloat16)
         page_file.write_bytes(nan.view(torch.uint8).numpy().tobytes())
         record_file = cluster.store / f"{key}_{name}.kvmap-records_0_1.bin"
-        record = PageRecord.from_tensor(torch.frombuffer(bytearray(record_file.read_bytes()),
-                                                         dtype=torch.uint8))  # fmt: skip
+        record = PageRecord.from_tensor(
+            torch.frombuffer(bytearray(record_file.read_bytes()), dtype=torch.uint8)
+        )
         fixed = dataclasses.replace(record, crc32=page_crc32(nan))
         record_file.write_bytes(fixed.to_tensor().numpy().tobytes())
         reason = "peer_page_not_finite"
@@ -532,9 +535,11 @@ def test_an_unknown_host_layout_starts_the_engine_without_translation(cluster):
     """A host pool whose pages sgl-kvmap cannot read (here SGLang's page_unified layout) turns
     translation off with a logged reason; the server starts."""
     engine = Engine(
-        cluster.deployment["models"][1], cluster.deployment["names"][1], cluster.extra(1),
+        cluster.deployment["models"][1],
+        cluster.deployment["names"][1],
+        cluster.extra(1),
         layout="page_unified",
-    )  # fmt: skip
+    )
     cluster.engines.append(engine)
     assert engine.storage.counters["fallback.pool_unsupported"] == 1
     assert engine.storage.peers == [] and engine.storage.own_records is None
@@ -552,20 +557,43 @@ def test_an_mla_pool_switches_translation_off_and_its_pages_are_still_stored(clu
     from sglang.srt.mem_cache.storage import StorageBackendFactory
 
     device = MLATokenToKVPool(
-        size=64, page_size=PAGE, dtype=torch.bfloat16, kv_lora_rank=32, qk_rope_head_dim=16,
-        layer_num=2, device="cpu", enable_memory_saver=False, start_layer=0, end_layer=2,
-    )  # fmt: skip
+        size=64,
+        page_size=PAGE,
+        dtype=torch.bfloat16,
+        kv_lora_rank=32,
+        qk_rope_head_dim=16,
+        layer_num=2,
+        device="cpu",
+        enable_memory_saver=False,
+        start_layer=0,
+        end_layer=2,
+    )
     with host_memory_budget_scope(1 << 28):
         host = MLATokenToKVPoolHost(
-            device.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, "page_first",
-            pin_memory=False, device_capacity_tokens=64, start_layer=0, end_layer=2,
+            device.get_device_pool_infos()[0].buffer_info,
+            2.0,
+            0,
+            PAGE,
+            "page_first",
+            pin_memory=False,
+            device_capacity_tokens=64,
+            start_layer=0,
+            end_layer=2,
             target_layer_num=2,
-        )  # fmt: skip
+        )
     config = HiCacheStorageConfig(
-        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=True, enable_storage_metrics=False, is_page_first_layout=True,
-        model_name="mla-model", extra_config=cluster.extra(1),
-    )  # fmt: skip
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=True,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name="mla-model",
+        extra_config=cluster.extra(1),
+    )
     storage = StorageBackendFactory.create_backend("dynamic", config, host)
     storage.register_mem_pool_host(host)
     assert storage.counters["fallback.pool_unsupported"] == 1 and storage.peers == []
