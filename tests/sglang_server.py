@@ -38,6 +38,7 @@ machine running the models beside it may not have). The process's parallel ranks
 
 from __future__ import annotations
 
+import atexit
 import json
 import time
 from array import array
@@ -289,7 +290,10 @@ class Engine:
         )
 
     def close(self) -> None:
+        """Stop the storage threads and let the pools go (SGLang's tree registers its shutdown
+        with atexit, which would otherwise keep every engine alive until the process ends)."""
         self.tree.shutdown()
+        atexit.unregister(self.tree.shutdown)
         self._args.restore()
 
     def _admit(self, req: Req) -> None:
