@@ -106,20 +106,23 @@ def main(pack, windows, prefix_len, continuation, page, out) -> None:
             engines = [
                 Engine(
                     model,
-                    served,
+                    engine_name,
                     sglang_extra_config(storage, store),
                     page_size=page,
                     slots=2 * len(window),
                 )
-                for model, served, storage in ((small, names[0], off), (large, names[1], on))
+                for model, engine_name, storage in ((small, names[0], off), (large, names[1], on))
             ]
             try:
-                engines[0].serve(history.tolist())
-                if name == "served (b)":
+                if name == "served (b)":  # the opening, computed before the 0.5B stored it
                     engines[1].serve(history[: page + 1].tolist())
+                engines[0].serve(history.tolist())
                 served = engines[1].serve(scored.tolist())
                 expected = prefix_len - settings.get("tail_pages", 0) * page
+                own_pages = 1 if name == "served (b)" else 0
                 assert served.reused == expected, (name, served.reused)
+                translated = engines[1].storage.counters["translated_pages"]
+                assert translated == expected // page - own_pages, (name, translated)
                 add(name, served.logits[-keep:], labels)
             finally:
                 for engine in engines:
