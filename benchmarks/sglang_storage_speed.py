@@ -8,9 +8,10 @@ threads (SGLang's GPU server processes run one), a fresh 1.5B engine takes the s
 plus one token: timed from the scheduler's prefetch decision to the prefix loaded into its
 device pool (the controller's hit query, the page transfer with KVMapStorage's record checks,
 file reads and translation into the host pool, insert_host, the load-back). Beside it: the
-translation alone (``translation_seconds``, no I/O), the prefetch deadline ``sgl-kvmap
-sglang-args`` would set on this machine, and the 1.5B's own prefill of the prompt (up to
-``--prefill-up-to`` tokens; it grows fast). Engines are tests/sglang_server.py.
+same work without the file reads and SGLang's bookkeeping (``hand_over_seconds``, what
+``sglang-args`` times), the prefetch deadline ``sgl-kvmap sglang-args`` sets on this machine,
+and the 1.5B's own prefill of the prompt (up to ``--prefill-up-to`` tokens; it grows fast).
+Engines are tests/sglang_server.py.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from sgl_kvmap.kernels import fast_matmul_dtype  # noqa: E402
 from sgl_kvmap.models.capture import run  # noqa: E402
 from sgl_kvmap.sglang import PeerSettings, StorageSettings  # noqa: E402
 from sgl_kvmap.sglang.launch import measured_deadline, sglang_extra_config  # noqa: E402
-from sgl_kvmap.sglang.translation import translation_seconds  # noqa: E402
+from sgl_kvmap.sglang.translation import hand_over_seconds  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -84,7 +85,7 @@ def main(pack, lengths, page, threads, prefill_up_to, out) -> None:
             hand_over = time.perf_counter() - started
             assert req.prefix_len == n, req.prefix_len
             assert target.storage.counters["translated_pages"] == n // page
-            translate_only = translation_seconds(mapper, n, threads)
+            without_io = hand_over_seconds(mapper, n, page, threads)
             prefill = None
             if n <= prefill_up_to:
                 started = time.perf_counter()
@@ -98,7 +99,7 @@ def main(pack, lengths, page, threads, prefill_up_to, out) -> None:
             {
                 "tokens": n,
                 "hand_over_seconds": hand_over,
-                "translation_seconds": translate_only,
+                "hand_over_without_io_seconds": without_io,
                 "prefetch_deadline_seconds": deadline.seconds(n),
                 "within_deadline": hand_over < deadline.seconds(n),
                 "target_prefill_seconds": prefill,

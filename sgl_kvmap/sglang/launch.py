@@ -7,7 +7,7 @@ fingerprints recorded in them (config + tokenizer), never by name.
 A translated prefetch must finish before SGLang's prefetch deadline (the ``timeout`` stop
 policy: ``prefetch_timeout_base + prefetch_timeout_per_ki_token x tokens / 1024`` seconds),
 or SGLang cuts it and prefills the rest. ``prefetch_deadline`` sets both from the translation
-time measured on this machine (``translation.translation_seconds``), with a margin.
+KVMapStorage's work measured on this machine (``translation.hand_over_seconds``), with a margin.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class PrefetchDeadline:
 
 
 def prefetch_deadline(
-    measured: list[tuple[int, float]], margin: float = 2.0, policy: str = PrefetchDeadline.policy
+    measured: list[tuple[int, float]], margin: float = 3.0, policy: str = PrefetchDeadline.policy
 ) -> PrefetchDeadline:
     """A deadline ``margin`` times the translation time at every length, from (tokens,
     seconds) measured at two lengths (the time is linear in tokens); never below SGLang's
@@ -168,7 +168,7 @@ def shell_line(argv: list[str]) -> str:
 def measured_deadline(
     packs: list[str | Path],
     policy: str = PrefetchDeadline.policy,
-    lengths: tuple[int, int] = (512, 2048),
+    lengths: tuple[int, int] = (1024, 4096),
 ) -> tuple[PrefetchDeadline, list[str]]:
     """The prefetch deadline for the slowest pack's translation, timed on this machine as an
     engine runs it (one thread; on the GPU when there is one), and a line per pack saying
@@ -176,16 +176,16 @@ def measured_deadline(
     import torch
 
     from ..core.mapper import KVMapper
-    from .translation import translation_seconds
+    from .translation import hand_over_seconds
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     deadlines, lines = [], []
     for pack in packs:
         mapper = KVMapper.from_pretrained(pack).to(device)
-        times = [(n, translation_seconds(mapper, n)) for n in lengths]
+        times = [(n, hand_over_seconds(mapper, n)) for n in lengths]
         deadlines.append(prefetch_deadline(times, policy=policy))
         measured = ", ".join(f"{n:,} tokens {t:.2f} s" for n, t in times)
-        lines.append(f"translation by {pack} on this machine ({device}, 1 thread): {measured}")
+        lines.append(f"hand-over by {pack} on this machine ({device}, 1 thread): {measured}")
     if not deadlines:
         return PrefetchDeadline(policy), lines
     slowest = max(deadlines, key=lambda d: d.seconds(8192))

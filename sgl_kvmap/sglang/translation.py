@@ -15,6 +15,8 @@ import torch
 
 from ..core.mapper import KVMapper
 from ..kernels import PagedKV, fast_matmul_dtype, translate_pages
+from .pages import PageFormat
+from .records import page_crc32
 
 
 def translate_tokens(
@@ -50,24 +52,44 @@ def translate_tokens(
     return result
 
 
-def translation_seconds(mapper: KVMapper, tokens: int, threads: int = 1) -> float:
-    """Seconds ``translate_tokens`` takes for ``tokens`` tokens of random bfloat16 KV on the
-    mapper's device, with ``threads`` torch threads (SGLang's server processes run one). The
-    best of two runs after a warm-up."""
-    spec = mapper.source
+def hand_over_seconds(
+    mapper: KVMapper, tokens: int, page_size: int = 64, threads: int = 1
+) -> float:
+    """Seconds KVMapStorage's own work on ``tokens`` stored tokens takes on this machine, with
+    ``threads`` torch threads (SGLang's server processes run one): the peer's bfloat16 pages
+    checked (CRC-32) and decoded, translated on the mapper's device (``translate_tokens``),
+    and encoded into this engine's pages. File reads and SGLang's own bookkeeping are not in
+    it. The best of two runs after a warm-up."""
+    source_page = _page_format(mapper.source, page_size)
+    target_page = _page_format(mapper.target, page_size)
     generator = torch.Generator().manual_seed(0)
-    shape = (2, tokens, spec.num_layers, spec.num_kv_heads, spec.head_dim)
-    source = torch.randn(shape, generator=generator).to(torch.bfloat16)
-    positions = torch.arange(tokens)
+    stored = [
+        torch.randn(source_page.numel, generator=generator).to(torch.bfloat16)
+        for _ in range(-(-tokens // page_size))
+    ]
+
+    def hand_over(pages: list[torch.Tensor]) -> None:
+        [page_crc32(page) for page in pages]
+        source = torch.cat([source_page.to_tokens(page) for page in pages], dim=1)
+        target = translate_tokens(mapper, source, torch.arange(source.shape[1]), torch.bfloat16)
+        for start in range(0, target.shape[1], page_size):
+            target_page.from_tokens(target[:, start : start + page_size])
+
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        translate_tokens(mapper, source[:, :16], positions[:16], torch.bfloat16)  # warm-up
+        hand_over(stored[:1])  # warm-up
         runs = []
         for _ in range(2):
             started = time.perf_counter()
-            translate_tokens(mapper, source, positions, torch.bfloat16)
+            hand_over(stored)
             runs.append(time.perf_counter() - started)
     finally:
         torch.set_num_threads(before)
     return min(runs)
+
+
+def _page_format(spec, page_size: int) -> PageFormat:
+    return PageFormat(
+        "page_first", page_size, spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.bfloat16
+    )
