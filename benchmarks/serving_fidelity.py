@@ -46,7 +46,11 @@ from sgl_kvmap.sglang import PeerSettings, StorageSettings  # noqa: E402
 from sgl_kvmap.sglang.launch import sglang_extra_config  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-SERVED = {"served (a)": {}, "served (b)": {}, "served (a) + tail": {"tail_pages": 1}}
+SERVED = {
+    "served (a)": {"tail_pages": 0},
+    "served (b)": {"tail_pages": 0},
+    "served (a) + tail": {"tail_pages": 1},
+}
 
 
 @click.command()

@@ -162,7 +162,7 @@ def test_sglang_hands_a_real_prefix_from_the_0_5b_to_a_fresh_1_5b(fitted, pair, 
     peer = PeerSettings(model_name=names[0], pack=str(pack))
     off = sglang_extra_config(StorageSettings(interface_v1=True), store)
     on = sglang_extra_config(
-        StorageSettings(translate=True, interface_v1=True, peers=(peer,)), store
+        StorageSettings(translate=True, interface_v1=True, peers=(peer,), tail_pages=0), store
     )
     window = eval_windows(large.tokenizer, default_eval_files(), 32 * PAGE + 24, 1)[0].tolist()
     engines = [Engine(small, names[0], off), Engine(large, names[1], on)]

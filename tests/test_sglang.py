@@ -57,6 +57,7 @@ class Cluster:
         names, other = self.deployment["names"], 1 - i
         peer = PeerSettings(names[other], str(pack or self.deployment["packs"][other, i]))
         settings.setdefault("interface_v1", True)
+        settings.setdefault("tail_pages", 0)  # every stored page translated, unless a test asks
         ours = StorageSettings(translate=translate, peers=(peer,), **settings)
         return sglang_extra_config(ours, str(self.store))
 
@@ -494,7 +495,7 @@ def test_tensor_parallel_ranks_translate_their_own_heads(
     store = str(tmp_path / "store")
     off = sglang_extra_config(StorageSettings(interface_v1=True), store)
     peer = PeerSettings(names[0], pack, tp_size=source_tp)
-    translating = StorageSettings(translate=True, interface_v1=True, peers=(peer,))
+    translating = StorageSettings(translate=True, interface_v1=True, peers=(peer,), tail_pages=0)
     on = sglang_extra_config(translating, store)
     prompt = tokens(4 * PAGE + 3, seed=30)
     source, target = TPGroup(models[0], names[0], off, source_tp), None

@@ -68,14 +68,15 @@ class StorageSettings:
     still records its pages for others). sinks: "translate" also translates a prefix's first
     page when this engine has no copy of its own (a swap into a fresh engine), "native" only
     translates after a first page of its own. tail_pages: the last pages of a translatable run
-    that this engine computes itself instead (the hand-off's recomputed tail).
+    that this engine computes itself instead (the hand-off's recomputed tail; 0 translates
+    every page a peer stored).
     interface_v1: SGLang's own key, which must be on (positions and provenance come with the v1
     calls). model_path: this engine's model, if its served name is not a path or Hub id."""
 
     inner_backend: str = "file"
     translate: bool = False
     sinks: str = "translate"
-    tail_pages: int = 0
+    tail_pages: int = 1  # docs/LOG.md, serving fidelity: the tail beats translating it
     interface_v1: bool = False
     model_path: str = ""
     peers: tuple[PeerSettings, ...] = ()
