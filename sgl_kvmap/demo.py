@@ -64,7 +64,9 @@ def run_demo(out: Path, config: DemoConfig = DemoConfig()) -> str:
             mapper.info["metrics"].update(
                 {f"speed_repaired_{k}": v for k, v in repaired.to_dict().items()}
             )
-        mapper.save_pretrained(Path(out) / name.replace(">", "").replace("-", "_to_"))
+        mapper.save_pretrained(
+            Path(out) / name.replace(">", "").replace("-", "_to_"), overwrite=True
+        )
         results[name] = {
             "fit": {**fit_report.summary(), "process_peak_rss_gib": round(fit_peak_gib, 2)},
             "tuning": tuning and {**tuning.summary(), "curve": tuning.curve},

@@ -1,9 +1,11 @@
 """Pack folders: round trips, format versions, damage refused, loads independent of the file."""
 
+import hashlib
 import json
 
 import pytest
 import torch
+from safetensors.torch import load_file, save
 
 from sgl_kvmap.core import pack
 from sgl_kvmap.core.errors import PackError
@@ -74,7 +76,8 @@ def test_reduced_rank_round_trip_keeps_the_projections(reduced, tiny_pair, tmp_p
     for a, b in zip(loaded.map(cache).values, reduced.map(cache).values):
         assert torch.equal(a, b)
     assert "shared projection of rank 5" in (folder / "README.md").read_text()
-    edit_json(folder, lambda d: d.update(rank=None))  # projections present, rank dropped
+    # projections present, rank dropped
+    edit_json(folder, lambda d: d.update(rank=None), resign=True)
     with pytest.raises(PackError, match="inconsistent pack"):
         KVMapper.from_pretrained(folder)
 
@@ -89,10 +92,18 @@ def test_json_is_sorted_and_indented(saved):
     assert text == json.dumps(data, indent=2, sort_keys=True) + "\n"
 
 
-def edit_json(folder, fn):
+def edit_json(folder, fn, resign: bool = False):
+    """Apply ``fn`` to ``folder``'s kvmap.json. ``resign``: also record the edited manifest's
+    digest and checksum in the tensors file, as a deliberate forger would, so that the checks
+    behind the digest are reached."""
     path = folder / "kvmap.json"
     data = json.loads(path.read_text())
     fn(data)
+    if resign:
+        tensors = load_file(folder / "mapper.safetensors")
+        blob = save(tensors, metadata=pack._metadata(data))
+        (folder / "mapper.safetensors").write_bytes(blob)
+        data["tensors_sha256"] = hashlib.sha256(blob).hexdigest()
     path.write_text(json.dumps(data))
 
 
@@ -110,9 +121,14 @@ def edit_json(folder, fn):
         ),
         (lambda f: edit_json(f, lambda d: d.update(format_version=99)), "format version 99"),
         (lambda f: edit_json(f, lambda d: d.update(format="other")), "not an sgl-kvmap pack"),
-        (lambda f: edit_json(f, lambda d: d["target"].update(head_dim=64)), "fingerprint"),
-        (lambda f: edit_json(f, lambda d: d["selection"].pop()), "inconsistent pack"),
-        (lambda f: edit_json(f, lambda d: d.pop("ridge")), "malformed pack"),
+        (lambda f: edit_json(f, lambda d: d["target"].update(head_dim=64)), "digest"),
+        (lambda f: edit_json(f, lambda d: d["target"].update(head_dim=64), True), "fingerprint"),
+        (lambda f: edit_json(f, lambda d: d["selection"].pop()), "digest"),
+        (lambda f: edit_json(f, lambda d: d["selection"].pop(), True), "inconsistent pack"),
+        (lambda f: edit_json(f, lambda d: d["selection"][0].reverse()), "digest"),
+        (lambda f: edit_json(f, lambda d: d["selection"][0].reverse(), True), "ascending"),
+        (lambda f: edit_json(f, lambda d: d.update(sink_tokens=2)), "digest"),
+        (lambda f: edit_json(f, lambda d: d.pop("ridge")), "ridge"),
     ],
 )
 def test_damaged_packs_are_refused_with_a_clear_message(saved, damage, message):
@@ -129,9 +145,9 @@ def test_a_failed_save_leaves_the_old_pack_and_no_debris(mapper, saved, monkeypa
 
     monkeypatch.setattr(pack, "model_card", broken)
     with pytest.raises(OSError, match="disk full"):
-        mapper.save_pretrained(saved)
+        mapper.save_pretrained(saved, overwrite=True)
     assert (saved / "mapper.safetensors").read_bytes() == before
-    assert [p.name for p in saved.parent.iterdir()] == ["pack"]
+    assert sorted(p.name for p in saved.parent.iterdir()) == [".pack.lock", "pack"]
 
 
 @pytest.mark.parametrize("change", ["truncated in place", "overwritten", "deleted"])
@@ -185,8 +201,7 @@ def test_pack_round_trip_keeps_the_residual(tiny_pair, reduced_mapper, tmp_path)
     for a, b in zip(want.keys + want.values, got.keys + got.values):
         assert torch.equal(a, b)
     # a pack that drops the residual from its description must not load as the plain map
-    config["residual_hidden"] = None
-    (folder / "kvmap.json").write_text(json.dumps(config))
+    edit_json(folder, lambda d: d.update(residual_hidden=None), resign=True)
     with pytest.raises(PackError, match="does not describe"):
         KVMapper.from_pretrained(folder)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -17,6 +18,18 @@ from .pack import load_pack, save_pack
 from .residual import Residual, hidden_activations
 from .rope import rope, unrope
 from .spec import ModelSpec, tables_for_spec
+
+
+def _ascending_layers(sources: list[int], num_layers: int) -> bool:
+    """Whether ``sources`` are distinct layer indices in [0, num_layers), in ascending order."""
+    whole = all(isinstance(s, int) and not isinstance(s, bool) for s in sources)
+    return (
+        bool(sources)
+        and whole
+        and sources == sorted(set(sources))
+        and 0 <= sources[0]
+        and sources[-1] < num_layers
+    )
 
 
 def default_matmul_dtype(cache_dtype: torch.dtype) -> torch.dtype:
@@ -91,11 +104,20 @@ class KVMapper:
             raise KVMapError(
                 f"selection has {len(self.selection)} layers, target has {self.target.num_layers}"
             )
+        if not (math.isfinite(self.ridge) and self.ridge >= 0):
+            raise KVMapError(f"ridge must be a finite number >= 0, got {self.ridge}")
+        if isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int):
+            raise KVMapError(f"sink_tokens must be an integer, got {self.sink_tokens!r}")
+        if self.sink_tokens < 0:
+            raise KVMapError(f"sink_tokens must be >= 0, got {self.sink_tokens}")
         self._validate_projections()
         self._validate_residuals()
         for layer, sources in enumerate(self.selection):
-            if not sources or any(not 0 <= s < self.source.num_layers for s in sources):
-                raise KVMapError(f"target layer {layer}: invalid source layers {sources}")
+            if not _ascending_layers(sources, self.source.num_layers):
+                raise KVMapError(
+                    f"target layer {layer}: source layers {sources} are not distinct source "
+                    f"layers in ascending order (the source has {self.source.num_layers})"
+                )
             for kind in KINDS:
                 m = self.maps[kind][layer]
                 width = self.rank or len(sources) * self.source.kv_width
@@ -288,9 +310,12 @@ class KVMapper:
                 f"source cache has (layers, kv_heads, head_dim) {got}, this mapper expects {want}"
             )
 
-    def save_pretrained(self, folder: str | Path) -> Path:
-        """Write the pack folder (mapper.safetensors + kvmap.json + README.md) atomically."""
-        return save_pack(self, Path(folder))
+    def save_pretrained(self, folder: str | Path, *, overwrite: bool = False) -> Path:
+        """Write the pack folder (mapper.safetensors + kvmap.json + README.md) atomically.
+
+        A new or empty folder is written; an existing pack is replaced only with ``overwrite``;
+        any other existing folder is refused with PackError (nothing in it is touched)."""
+        return save_pack(self, Path(folder), overwrite=overwrite)
 
     @classmethod
     def from_pretrained(cls, folder: str | Path) -> KVMapper:

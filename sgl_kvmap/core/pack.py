@@ -3,50 +3,74 @@
     mapper.safetensors   k.{layer}.weight / k.{layer}.bias / v.{layer}.* (float32), for a
                          reduced-rank mapper k.projection / v.projection, and for one with a
                          non-linear residual k.residual.in.weight / .bias and
-                         k.residual.{layer}.weight (v.* alike)
+                         k.residual.{layer}.weight (v.* alike); its metadata holds the
+                         digest of kvmap.json's semantic fields (``manifest``)
     kvmap.json           format version, both ModelSpecs + fingerprints, selection, ridge,
                          sink tokens, rank, calibration recipe, metrics, sha256 of the tensors
+                         (schema: ``manifest.SCHEMA``)
     README.md            model card generated from kvmap.json
 
 Format version 2 is version 1 plus the optional projections (written only by reduced-rank
 mappers, so every other pack stays readable by version-1 readers); version 3 adds the optional
 non-linear residual (``residual_hidden`` in kvmap.json), written only by mappers that have one.
 
-Saving writes a temporary sibling folder and renames it into place, so a crash never leaves a
-half-written pack. Loading checks everything and raises PackError saying what is wrong.
+Saving fills a hidden sibling folder and swaps it into place whole (``files``), and never
+replaces a folder that is not a pack. Loading reads both files from one version of the folder,
+checks everything (schema, checksum, digest, shapes) and raises PackError saying what is
+wrong; the loaded mapper holds copies of what was checked, never a mapping of the file.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import struct
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load, save_file
+from safetensors.torch import load, save
 
 from .._version import __version__
 from .errors import KVMapError, PackError
-from .files import replacing_folder, sha256_bytes, sha256_file
+from .files import read_folder, replacing_folder, sha256_bytes
 from .fit import KINDS, LayerMap
+from .manifest import (
+    DIGEST_KEY,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    READABLE_VERSIONS,
+    manifest_digest,
+    parse_manifest,
+)
 from .residual import Residual
 from .spec import ModelSpec
+
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "READABLE_VERSIONS", "load_pack", "save_pack"]
+
+log = logging.getLogger(__name__)
 
 TENSORS_FILE = "mapper.safetensors"
 CONFIG_FILE = "kvmap.json"
 CARD_FILE = "README.md"
-FORMAT_NAME = "sgl-kvmap"
-FORMAT_VERSION = 3  # the newest this library writes
-READABLE_VERSIONS = (1, 2, 3)
+PACK_FILES = frozenset({TENSORS_FILE, CONFIG_FILE, CARD_FILE})
 
 
-def save_pack(mapper, folder: Path) -> Path:
-    """Write ``mapper`` to ``folder`` (replaced whole if it exists). Returns the folder."""
-    folder = Path(folder)
-    with replacing_folder(folder) as staging:
-        save_file(_tensors(mapper), staging / TENSORS_FILE, metadata={"format": FORMAT_NAME})
-        config = _config(mapper, sha256_file(staging / TENSORS_FILE))
+def save_pack(mapper, folder: Path, *, overwrite: bool = False) -> Path:
+    """Write ``mapper`` to ``folder``. Returns the folder.
+
+    A new or empty folder is written; an existing pack is replaced only with ``overwrite``;
+    anything else is refused (PackError). Readers see the whole old pack or the whole new one.
+    """
+    folder = Path(folder).absolute()
+    with replacing_folder(folder, lambda existing: _may_replace(existing, overwrite)) as staging:
+        config = _config(mapper, tensors_sha256="")
+        config = json.loads(json.dumps(config, allow_nan=False))  # the values as read back
+        data = save(_tensors(mapper), metadata=_metadata(config))
+        config["tensors_sha256"] = sha256_bytes(data)
+        (staging / TENSORS_FILE).write_bytes(data)
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         (staging / CARD_FILE).write_text(model_card(config))
     return folder
@@ -56,13 +80,13 @@ def load_pack(folder: Path, mapper_class):
     """Read and validate a pack folder into a ``mapper_class`` (KVMapper, which calls this from
     ``from_pretrained``). Raises PackError for anything wrong or damaged."""
     folder = Path(folder)
-    config = read_config(folder)
-    tensors_path = folder / TENSORS_FILE
-    if not tensors_path.is_file():
+    files = _read_pack(folder)
+    config = _manifest(folder, files[CONFIG_FILE])
+    data = files[TENSORS_FILE]
+    if data is None:
         raise PackError(f"{folder}: {TENSORS_FILE} is missing; re-download or re-build the pack")
-    # Read once, check those bytes and build the tensors from them: nothing stays mapped to
-    # the file, so it can change or vanish afterwards without touching the loaded mapper.
-    data = tensors_path.read_bytes()
+    # The tensors are built from the very bytes checked here: nothing stays mapped to the
+    # file, so it can change or vanish afterwards without touching the loaded mapper.
     if sha256_bytes(data) != config["tensors_sha256"]:
         raise PackError(
             f"{folder}: {TENSORS_FILE} does not match the checksum in {CONFIG_FILE} "
@@ -70,35 +94,12 @@ def load_pack(folder: Path, mapper_class):
         )
     try:
         tensors = load(data)
-        source, target = _spec(config, "source"), _spec(config, "target")
-        selection = [list(map(int, s)) for s in config["selection"]]
-        maps = {
-            kind: [_layer_map(tensors, kind, layer) for layer in range(len(selection))]
-            for kind in KINDS
-        }
-        projections = (
-            {kind: _finite(tensors[f"{kind}.projection"], f"{kind} projection") for kind in KINDS}
-            if config.get("rank") is not None
-            else None
-        )
-        residuals = (
-            {kind: _residual(tensors, kind, len(selection)) for kind in KINDS}
-            if config.get("residual_hidden") is not None
-            else None
-        )
-        mapper = mapper_class(
-            source=source,
-            target=target,
-            selection=selection,
-            maps=maps,
-            ridge=float(config["ridge"]),
-            sink_tokens=int(config["sink_tokens"]),
-            info={k: config.get(k, {}) for k in ("calibration", "metrics")},
-            projections=projections,
-            residuals=residuals,
-        )
+        _check_digest(folder, config, _safetensors_metadata(data))
+        mapper = _mapper(config, tensors, mapper_class)
     except (KeyError, TypeError, ValueError, SafetensorError) as err:
         raise PackError(f"{folder}: malformed pack ({type(err).__name__}: {err})") from err
+    except PackError:
+        raise
     except KVMapError as err:
         raise PackError(f"{folder}: inconsistent pack: {err}") from err
     unread = sorted(set(tensors) - set(_tensors(mapper)))
@@ -111,25 +112,18 @@ def load_pack(folder: Path, mapper_class):
 
 
 def read_config(folder: Path) -> dict[str, Any]:
-    """The validated kvmap.json of a pack folder (format and version checked)."""
-    path = Path(folder) / CONFIG_FILE
-    if not path.is_file():
-        raise PackError(f"{folder} is not a mapper pack: {CONFIG_FILE} is missing")
+    """The validated kvmap.json of a pack folder (format, version and schema checked)."""
+    folder = Path(folder)
+    return _manifest(folder, _read_pack(folder, (CONFIG_FILE,))[CONFIG_FILE])
+
+
+def is_pack(folder: Path) -> bool:
+    """Whether ``folder`` holds a kvmap.json of this format (whole or damaged otherwise)."""
     try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise PackError(f"{path}: not valid JSON ({err})") from err
-    if not isinstance(config, dict) or config.get("format") != FORMAT_NAME:
-        raise PackError(
-            f"{path}: not an {FORMAT_NAME} pack (format field {config.get('format')!r})"
-        )
-    if config.get("format_version") not in READABLE_VERSIONS:
-        raise PackError(
-            f"{path}: pack format version {config.get('format_version')!r}; this sgl-kvmap reads "
-            f"versions {', '.join(map(str, READABLE_VERSIONS))}. Upgrade sgl-kvmap or re-build "
-            "the pack."
-        )
-    return config
+        data = read_folder(Path(folder), (CONFIG_FILE,))[CONFIG_FILE]
+        return data is not None and json.loads(data).get("format") == FORMAT_NAME
+    except (OSError, ValueError, RecursionError, AttributeError):
+        return False
 
 
 def model_card(config: dict[str, Any]) -> str:
@@ -178,6 +172,97 @@ mapper = KVMapper.from_pretrained("path/to/this/folder")
 target_cache = mapper.map(source_cache)
 ```
 """
+
+
+def _read_pack(folder: Path, names=(CONFIG_FILE, TENSORS_FILE)) -> dict[str, bytes | None]:
+    """The named files of one version of the pack at ``folder``; kvmap.json must be there."""
+    try:
+        files = read_folder(folder, names)
+    except (FileNotFoundError, NotADirectoryError) as err:
+        raise PackError(f"{folder} is not a mapper pack: no such folder") from err
+    if files[CONFIG_FILE] is None:
+        raise PackError(f"{folder} is not a mapper pack: {CONFIG_FILE} is missing")
+    return files
+
+
+def _manifest(folder: Path, data: bytes) -> dict[str, Any]:
+    return parse_manifest(data, str(folder / CONFIG_FILE))
+
+
+def _may_replace(folder: Path, overwrite: bool) -> None:
+    """Refuse to replace ``folder`` unless it is empty, or a pack and ``overwrite`` is set."""
+    if folder.is_dir() and not folder.is_symlink() and not any(folder.iterdir()):
+        return
+    if not folder.is_dir() or not is_pack(folder):
+        raise PackError(
+            f"{folder} exists and is not a mapper pack; refusing to replace it. "
+            "Choose a new or empty folder."
+        )
+    others = sorted(set(os.listdir(folder)) - PACK_FILES)
+    if others:
+        raise PackError(
+            f"{folder} holds a mapper pack and other files ({', '.join(others[:4])}); "
+            "refusing to replace them. Move them away or choose another folder."
+        )
+    if not overwrite:
+        raise PackError(
+            f"{folder} already holds a mapper pack; pass overwrite=True "
+            "(sgl-kvmap: --overwrite) to replace it"
+        )
+
+
+def _metadata(config: dict[str, Any]) -> dict[str, str]:
+    """The tensors file's metadata: the format's name and the manifest's digest."""
+    return {"format": FORMAT_NAME, DIGEST_KEY: manifest_digest(config)}
+
+
+def _safetensors_metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of safetensors bytes (an 8-byte header length, then JSON)."""
+    (length,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8 : 8 + length]).get("__metadata__") or {}
+
+
+def _check_digest(folder: Path, config: dict[str, Any], metadata: dict[str, str]) -> None:
+    recorded = metadata.get(DIGEST_KEY)
+    if recorded is None:
+        log.warning(
+            "%s: written before manifests were covered by a digest; edits to %s cannot be "
+            "detected. Save it again to add one.",
+            folder,
+            CONFIG_FILE,
+        )
+    elif recorded != manifest_digest(config):
+        raise PackError(
+            f"{folder}: {CONFIG_FILE} does not match the digest recorded in {TENSORS_FILE} "
+            "(edited?); re-download or re-build the pack"
+        )
+
+
+def _mapper(config: dict[str, Any], tensors: dict[str, torch.Tensor], mapper_class):
+    """Build the mapper a checked manifest and its tensors describe (raises KVMapError)."""
+    selection = config["selection"]
+    return mapper_class(
+        source=_spec(config, "source"),
+        target=_spec(config, "target"),
+        selection=selection,
+        maps={
+            kind: [_layer_map(tensors, kind, layer) for layer in range(len(selection))]
+            for kind in KINDS
+        },
+        ridge=float(config["ridge"]),
+        sink_tokens=config["sink_tokens"],
+        info={k: config.get(k, {}) for k in ("calibration", "metrics")},
+        projections=(
+            {kind: _finite(tensors[f"{kind}.projection"], f"{kind} projection") for kind in KINDS}
+            if config.get("rank") is not None
+            else None
+        ),
+        residuals=(
+            {kind: _residual(tensors, kind, len(selection)) for kind in KINDS}
+            if config.get("residual_hidden") is not None
+            else None
+        ),
+    )
 
 
 def _tensors(mapper) -> dict[str, torch.Tensor]:
@@ -239,7 +324,7 @@ def _residual(tensors: dict[str, torch.Tensor], kind: str, target_layers: int) -
 def _spec(config: dict[str, Any], role: str) -> ModelSpec:
     spec = ModelSpec.from_dict(config[role])
     if spec.fingerprint != config[f"{role}_fingerprint"]:
-        raise PackError(
+        raise KVMapError(
             f"the {role} spec in {CONFIG_FILE} does not match its recorded fingerprint (edited?)"
         )
     return spec
