@@ -191,7 +191,12 @@ def _manifest(folder: Path, data: bytes) -> dict[str, Any]:
 
 def _may_replace(folder: Path, overwrite: bool) -> None:
     """Refuse to replace ``folder`` unless it is empty, or a pack and ``overwrite`` is set."""
-    if folder.is_dir() and not folder.is_symlink() and not any(folder.iterdir()):
+    if folder.is_symlink():
+        raise PackError(
+            f"{folder} is a symbolic link; refusing to replace it. Save to the folder it "
+            "points to, or choose another folder."
+        )
+    if folder.is_dir() and not any(folder.iterdir()):
         return
     if not folder.is_dir() or not is_pack(folder):
         raise PackError(
