@@ -267,7 +267,8 @@ def main(
                 files = TUNING_TEXTS[text][1]()
                 mapper, tuning = tune_mapper(mapper, source, target, files, tune_config)
             if save_packs is not None:
-                mapper.save_pretrained(save_packs / name / direction.replace("->", "_to_"))
+                folder = save_packs / name / direction.replace("->", "_to_")
+                mapper.save_pretrained(folder, overwrite=True)
             reports = {
                 t: evaluate(
                     mapper,
