@@ -16,6 +16,7 @@ from .fitting.evaluate import EvalReport, evaluate
 from .fitting.tune import TuneReport, tune_mapper
 from .models.capture import LoadedModel, capture_kv, load_model
 from .models.transfer import Repair, handoff, translate_prefix
+from .registry.resolve import resolve_mapper  # importing the registry installs the Hub client
 
 __all__ = [
     "CalibrationConfig",
@@ -39,4 +40,5 @@ __all__ = [
     "spec_from_pretrained",
     "translate_prefix",
     "tune_mapper",
+    "resolve_mapper",
 ]

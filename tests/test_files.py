@@ -2,7 +2,7 @@
 and readers, ordinary permissions.
 
 Faults are injected in child processes by replacing one step of ``sgl_kvmap.core.files`` (or
-``pack.model_card``, the last file written) with ``os._exit``, which ends the process at once
+the card renderer: the card is the last file written) with ``os._exit``, which ends the process at once
 as a kill would: no ``finally`` runs, nothing is cleaned. Everything else is the real code on
 the real file system."""
 
@@ -59,7 +59,7 @@ def die(*args, **kwargs):
 
 step, new, dest = sys.argv[1:]
 if step == "while writing":
-    pack.model_card = die
+    pack.registry().render_card = die
 elif step == "before sync":
     files._sync_folder = die
 elif step == "before swap":

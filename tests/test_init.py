@@ -18,6 +18,7 @@ LAYERS = {
     "sgl_kvmap.fitting": {"sgl_kvmap.core", "sgl_kvmap.models"},
     "sgl_kvmap.kernels": {"sgl_kvmap.core"},
     "sgl_kvmap.sglang": {"sgl_kvmap.core", "sgl_kvmap.kernels"},
+    "sgl_kvmap.registry": {"sgl_kvmap.core", "sgl_kvmap.models", "sgl_kvmap.fitting"},
 }
 
 

@@ -143,7 +143,7 @@ def test_a_failed_save_leaves_the_old_pack_and_no_debris(mapper, saved, monkeypa
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(pack, "model_card", broken)
+    monkeypatch.setattr(pack.registry(), "render_card", broken)
     with pytest.raises(OSError, match="disk full"):
         mapper.save_pretrained(saved, overwrite=True)
     assert (saved / "mapper.safetensors").read_bytes() == before

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch
 from .cache import KVCache
 from .errors import KVMapError
 from .fit import KINDS, LayerMap
-from .pack import load_pack, save_pack
+from .pack import is_repo_id, load_pack, registry, save_pack
 from .residual import Residual, hidden_activations
 from .rope import rope, unrope
 from .spec import ModelSpec, tables_for_spec
@@ -318,6 +319,50 @@ class KVMapper:
         return save_pack(self, Path(folder), overwrite=overwrite)
 
     @classmethod
-    def from_pretrained(cls, folder: str | Path) -> KVMapper:
-        """Load and validate a pack folder; raises PackError for a wrong or damaged pack."""
-        return load_pack(Path(folder), cls)
+    def from_pretrained(
+        cls,
+        name_or_path: str | Path,
+        *,
+        revision: str | None = None,
+        cache_dir: str | Path | None = None,
+        local_files_only: bool = False,
+        token: str | bool | None = None,
+    ) -> KVMapper:
+        """Load and validate a pack: a local folder, or a Hub repo id ``namespace/name`` at
+        ``revision`` (fetched at one commit through the registry, into the Hugging Face cache).
+        Raises PackError for a wrong, damaged or unreachable pack."""
+        path = Path(name_or_path)
+        if path.exists() or not is_repo_id(str(name_or_path)):
+            return load_pack(path, cls)
+        folder = registry().fetch(
+            str(name_or_path),
+            revision=revision,
+            cache_dir=cache_dir,
+            local_files_only=local_files_only,
+            token=token,
+        )
+        return load_pack(folder, cls)
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        revision: str | None = None,
+        private: bool = False,
+        tag: str | None = None,
+        token: str | bool | None = None,
+        commit_message: str | None = None,
+    ) -> str:
+        """Publish this mapper as a pack to the Hub repo ``repo_id`` in one commit (on branch
+        ``revision``, tagged ``tag``). Returns the commit id."""
+        with tempfile.TemporaryDirectory() as root:
+            folder = self.save_pretrained(Path(root) / "pack")
+            return registry().push(
+                folder,
+                repo_id,
+                revision=revision,
+                private=private,
+                tag=tag,
+                token=token,
+                commit_message=commit_message,
+            )

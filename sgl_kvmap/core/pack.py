@@ -25,9 +25,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import SafetensorError
@@ -48,7 +49,14 @@ from .manifest import (
 from .residual import Residual
 from .spec import ModelSpec
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "READABLE_VERSIONS", "load_pack", "save_pack"]
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "READABLE_VERSIONS",
+    "load_pack",
+    "save_pack",
+    "use_registry",
+]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +64,43 @@ TENSORS_FILE = "mapper.safetensors"
 CONFIG_FILE = "kvmap.json"
 CARD_FILE = "README.md"
 PACK_FILES = frozenset({TENSORS_FILE, CONFIG_FILE, CARD_FILE})
+
+
+class PackRegistry(Protocol):
+    """What the registry layer above (``sgl_kvmap.registry``, the Hub client) does for packs.
+
+    It installs itself with ``use_registry`` when ``sgl_kvmap`` is imported, so this module
+    depends on the interface only."""
+
+    def render_card(self, config: dict[str, Any]) -> str:
+        """README.md of a pack whose kvmap.json is ``config``."""
+
+    def fetch(self, repo_id: str, **options: Any) -> Path:
+        """A local folder holding the pack ``repo_id`` at one commit (``revision``,
+        ``cache_dir``, ``local_files_only``, ``token`` as in huggingface_hub)."""
+
+    def push(self, folder: Path, repo_id: str, **options: Any) -> str:
+        """Publish a pack folder as one commit; returns the commit id."""
+
+
+_registry: PackRegistry | None = None
+
+
+def use_registry(implementation: PackRegistry) -> None:
+    """Install the registry (``sgl_kvmap.registry`` does this on import)."""
+    global _registry
+    _registry = implementation
+
+
+def registry() -> PackRegistry:
+    if _registry is None:
+        raise KVMapError("no pack registry installed: import sgl_kvmap (it installs one)")
+    return _registry
+
+
+def is_repo_id(name: str) -> bool:
+    """Whether ``name`` reads as a Hub repo id ``namespace/name`` rather than a local path."""
+    return re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*", name) is not None
 
 
 def save_pack(mapper, folder: Path, *, overwrite: bool = False) -> Path:
@@ -72,7 +117,7 @@ def save_pack(mapper, folder: Path, *, overwrite: bool = False) -> Path:
         config["tensors_sha256"] = sha256_bytes(data)
         (staging / TENSORS_FILE).write_bytes(data)
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        (staging / CARD_FILE).write_text(model_card(config))
+        (staging / CARD_FILE).write_text(registry().render_card(config))
     return folder
 
 
@@ -124,54 +169,6 @@ def is_pack(folder: Path) -> bool:
         return data is not None and json.loads(data).get("format") == FORMAT_NAME
     except (OSError, ValueError, RecursionError, AttributeError):
         return False
-
-
-def model_card(config: dict[str, Any]) -> str:
-    """A model card (README.md) for a pack folder, from its kvmap.json."""
-    src, tgt = config["source"], config["target"]
-    metrics = config.get("metrics", {})
-    rows = "\n".join(
-        f"| {k} | {_fmt(v)} |"
-        for k, v in sorted(metrics.items())
-        if not isinstance(v, (list, dict))
-    )
-    calib = config.get("calibration", {})
-    return f"""---
-library_name: sgl-kvmap
-tags: [kv-cache, sglang, cross-model-kv-transfer]
----
-# KV mapper: {src["model_id"]} -> {tgt["model_id"]}
-
-Closed-form per-head ridge mapper (RoPE-stripped, cross-layer source selection) that turns
-the KV cache of `{src["model_id"]}` into a KV cache for `{tgt["model_id"]}`, so the target can
-continue a conversation without re-running prefill. Made with sgl-kvmap.
-
-| | source | target |
-| --- | --- | --- |
-| layers | {src["num_layers"]} | {tgt["num_layers"]} |
-| KV heads | {src["num_kv_heads"]} | {tgt["num_kv_heads"]} |
-| head_dim | {src["head_dim"]} | {tgt["head_dim"]} |
-| fingerprint | `{config["source_fingerprint"][:16]}` | `{config["target_fingerprint"][:16]}` |
-
-Source layers per target layer (k): {max(len(s) for s in config["selection"])}{_rank(config)};
-ridge {config["ridge"]};
-target-computed sink tokens: {config["sink_tokens"]}.
-Calibration: {_fmt(calib.get("tokens", "?"))} tokens from {calib.get("text", "?")}.
-
-## Measured
-
-| metric | value |
-| --- | --- |
-{rows or "| (none recorded) | |"}
-
-## Use
-
-```python
-from sgl_kvmap import KVMapper
-mapper = KVMapper.from_pretrained("path/to/this/folder")
-target_cache = mapper.map(source_cache)
-```
-"""
 
 
 def _read_pack(folder: Path, names=(CONFIG_FILE, TENSORS_FILE)) -> dict[str, bytes | None]:
@@ -347,15 +344,3 @@ def _finite(tensor: torch.Tensor, name: str) -> torch.Tensor:
     if tensor.dtype != torch.float32 or not tensor.isfinite().all():
         raise PackError(f"{name} is not finite float32")
     return tensor
-
-
-def _rank(config: dict[str, Any]) -> str:
-    rank, hidden = config.get("rank"), config.get("residual_hidden")
-    if rank is None:
-        return ""
-    residual = "" if hidden is None else f" plus a non-linear residual of width {hidden}"
-    return f", through one shared projection of rank {rank}{residual}"
-
-
-def _fmt(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)

@@ -1,0 +1,177 @@
+"""resolve: the pack for a model pair, from the local cache, else the Hub, else built here.
+
+Order: a pack built here before (in huggingface_hub's assets cache), a Hub pack already in the
+Hugging Face cache, the pair's conventional repo on the Hub, a tag search on the Hub with the
+fingerprints matched here, and, when asked (``build``), a fit with the pair's default recipe.
+Every candidate is checked against the models in use (their config and tokenizer
+fingerprints, read without loading weights); a mismatch is refused with what differs unless
+``allow_mismatch`` says otherwise, which is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from huggingface_hub import cached_assets_path
+from huggingface_hub.constants import is_offline_mode
+from huggingface_hub.utils import WeakFileLock
+
+from ..core.errors import PackError, PairMismatchError
+from ..core.mapper import KVMapper
+from ..core.pack import is_pack
+from ..core.spec import ModelSpec, check_models, check_pair, spec_from_pretrained
+from ..fitting.build import build_pack
+from ..fitting.config import PackRecipe
+from .naming import repo_name
+from .packs import PackEntry, cached_packs, fetch_pack, hub_packs
+
+log = logging.getLogger(__name__)
+
+NAMESPACE_ENV = "SGL_KVMAP_HUB_NAMESPACE"
+DEFAULT_NAMESPACE = "sgl-kvmap"  # where published packs are looked for by conventional name
+
+
+def resolve_mapper(
+    source: str,
+    target: str,
+    *,
+    build: bool = False,
+    local_files_only: bool = False,
+    allow_mismatch: bool = False,
+    namespace: str | None = None,
+    cache_dir: str | Path | None = None,
+    token: str | bool | None = None,
+) -> KVMapper:
+    """The checked mapper for ``source`` -> ``target`` (model folders or Hub ids); see the
+    module docstring for where it comes from. Raises PackError when there is none."""
+    folder = resolve_pack(
+        source,
+        target,
+        build=build,
+        local_files_only=local_files_only,
+        allow_mismatch=allow_mismatch,
+        namespace=namespace,
+        cache_dir=cache_dir,
+        token=token,
+    )
+    return KVMapper.from_pretrained(folder)
+
+
+def resolve_pack(
+    source: str,
+    target: str,
+    *,
+    build: bool = False,
+    local_files_only: bool = False,
+    allow_mismatch: bool = False,
+    namespace: str | None = None,
+    cache_dir: str | Path | None = None,
+    token: str | bool | None = None,
+) -> Path:
+    """The local folder of the pack for ``source`` -> ``target`` (see ``resolve_mapper``)."""
+    specs = spec_from_pretrained(source), spec_from_pretrained(target)
+    check_pair(*specs)
+    offline = local_files_only or is_offline_mode()
+    for folder in _local_candidates(specs, cache_dir):
+        if _fits(folder, specs, allow_mismatch):
+            return folder
+    if not offline:
+        for folder in _hub_candidates(specs, namespace, cache_dir, token):
+            if _fits(folder, specs, allow_mismatch):
+                return folder
+    if build:
+        return build_missing(source, target, specs)
+    where = "in the local cache" if offline else "in the local cache or on the Hub"
+    raise PackError(
+        f"no mapper pack for {specs[0].model_id} -> {specs[1].model_id} {where}. "
+        + (
+            "Fetch one with `sgl-kvmap pull ORG/NAME` while online, or "
+            if offline
+            else "Publish one with `sgl-kvmap push`, or "
+        )
+        + "build it here with `sgl-kvmap resolve SOURCE TARGET --build`."
+    )
+
+
+def built_pack_dir(source: ModelSpec, target: ModelSpec) -> Path:
+    """Where a pack built here for this pair lives (huggingface_hub's assets cache)."""
+    name = repo_name(
+        source.model_id, target.model_id, source.fingerprint, target.fingerprint, target.model_type
+    )
+    key = f"{name}-{source.fingerprint[:8]}{target.fingerprint[:8]}"
+    return cached_assets_path(library_name="sgl-kvmap", namespace="built", subfolder=key)
+
+
+def build_missing(source: str, target: str, specs: tuple[ModelSpec, ModelSpec]) -> Path:
+    """Fit the pair with its default recipe into ``built_pack_dir``, once: under a lock, a
+    second process waits and then finds the pack the first one built."""
+    folder = built_pack_dir(*specs) / "pack"
+    with WeakFileLock(folder.parent / "build.lock"):
+        if is_pack(folder):
+            return folder
+        log.warning("building the pack %s -> %s here (this fits the pair)", source, target)
+        mapper, summary = build_pack(source, target, None, PackRecipe())
+        mapper.info["metrics"].update(summary)
+        return mapper.save_pretrained(folder, overwrite=True)
+
+
+def check_pins(
+    folder: Path, specs: tuple[ModelSpec, ModelSpec], allow_mismatch: bool = False
+) -> None:
+    """Refuse the pack at ``folder`` if it was fitted for other models than ``specs``
+    (PairMismatchError naming what differs); ``allow_mismatch`` logs instead."""
+    mapper = KVMapper.from_pretrained(folder)
+    try:
+        check_models(mapper, *specs)
+    except PairMismatchError as err:
+        if not allow_mismatch:
+            raise
+        log.warning("using %s although it does not match the models: %s", folder, err)
+
+
+def _fits(folder: Path, specs: tuple[ModelSpec, ModelSpec], allow_mismatch: bool) -> bool:
+    """Whether the candidate pack ``folder`` loads and belongs to these models."""
+    try:
+        check_pins(folder, specs, allow_mismatch)
+    except PairMismatchError:
+        return False
+    except PackError as err:
+        log.warning("skipping %s: %s", folder, err)
+        return False
+    return True
+
+
+def _matches(entry: PackEntry, specs: tuple[ModelSpec, ModelSpec]) -> bool:
+    return (entry.source_fingerprint, entry.target_fingerprint) == (
+        specs[0].fingerprint,
+        specs[1].fingerprint,
+    )
+
+
+def _local_candidates(specs, cache_dir) -> list[Path]:
+    built = built_pack_dir(*specs) / "pack"
+    found = [built] if is_pack(built) else []
+    found += [Path(e.where) for e in cached_packs(cache_dir) if _matches(e, specs)]
+    return found
+
+
+def _hub_candidates(specs, namespace, cache_dir, token):
+    """Folders of Hub packs for the pair, fetched lazily: the conventional name, then a search."""
+    source, target = specs
+    namespace = namespace or os.environ.get(NAMESPACE_ENV, DEFAULT_NAMESPACE)
+    name = repo_name(
+        source.model_id, target.model_id, source.fingerprint, target.fingerprint, target.model_type
+    )
+    try:
+        yield fetch_pack(f"{namespace}/{name}", cache_dir=cache_dir, token=token)
+    except PackError as err:
+        log.info("%s/%s: %s", namespace, name, err)
+    tags = (f"kvmap-source-{source.fingerprint[:12]}", f"kvmap-target-{target.fingerprint[:12]}")
+    for entry in hub_packs(*tags, token=token):
+        if _matches(entry, specs):
+            yield fetch_pack(entry.repo_id, revision=entry.commit, cache_dir=cache_dir, token=token)
+
+
+__all__ = ["built_pack_dir", "check_pins", "resolve_mapper", "resolve_pack"]
