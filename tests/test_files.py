@@ -2,9 +2,9 @@
 and readers, ordinary permissions.
 
 Faults are injected in child processes by replacing one step of ``sgl_kvmap.core.files`` (or
-the card renderer: the card is the last file written) with ``os._exit``, which ends the process at once
-as a kill would: no ``finally`` runs, nothing is cleaned. Everything else is the real code on
-the real file system."""
+the card renderer: the card is the last file written) with ``os._exit``, which ends the
+process at once as a kill would: no ``finally`` runs, nothing is cleaned. Everything else is
+the real code on the real file system."""
 
 import dataclasses
 import os
