@@ -638,5 +638,110 @@ def sglang_args(engines, packs, store, store_path, page_size, port, tp_size, pre
         click.echo(shell_line(argv))
 
 
+# -- the registry: packs on the Hugging Face Hub -------------------------------------------
+
+
+@main.command()
+@click.argument("pack", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("repo_id")
+@click.option("--revision", default=None, help="Branch to commit to (created if missing).")
+@click.option("--private", is_flag=True, help="Create the repo private.")
+@click.option("--tag", default=None, help="Tag the new commit (for example v1).")
+def push(pack, repo_id, revision, private, tag) -> None:
+    """Verify PACK and publish it to the Hub repo REPO_ID in one commit; print the commit."""
+    from .registry.packs import push_pack
+
+    commit = push_pack(pack, repo_id, revision=revision, private=private, tag=tag)
+    click.echo(f"{repo_id}@{commit}")
+
+
+@main.command()
+@click.argument("repo_id")
+@click.option("--revision", default=None, help="Branch, tag or commit (default: main).")
+def pull(repo_id, revision) -> None:
+    """Fetch the pack REPO_ID into the Hugging Face cache, verify it, print its folder."""
+    from .core.mapper import KVMapper
+    from .registry.packs import fetch_pack
+
+    folder = fetch_pack(repo_id, revision=revision)
+    KVMapper.from_pretrained(folder)
+    click.echo(str(folder))
+
+
+@main.command()
+@click.argument("source")
+@click.argument("target")
+@click.option("--build", is_flag=True, help="Fit the pair here when no pack is found.")
+@click.option("--offline", is_flag=True, help="Look in the local caches only.")
+@click.option(
+    "--allow-mismatch",
+    is_flag=True,
+    help="Accept a pack fitted for other models than SOURCE and TARGET (logged).",
+)
+@click.option("--namespace", default=None, help="Hub namespace of conventionally named packs.")
+def resolve(source, target, build, offline, allow_mismatch, namespace) -> None:
+    """Find the pack for SOURCE -> TARGET (local cache, then Hub, then --build); print its
+    folder."""
+    from .registry.resolve import resolve_pack
+
+    folder = resolve_pack(
+        source,
+        target,
+        build=build,
+        local_files_only=offline,
+        allow_mismatch=allow_mismatch,
+        namespace=namespace,
+    )
+    click.echo(str(folder))
+
+
+@main.command(name="list")
+@click.option("--remote", is_flag=True, help="List the packs on the Hub instead of the cache.")
+def list_(remote) -> None:
+    """List the packs in the local caches (or on the Hub)."""
+    from .registry.packs import cached_packs, hub_packs
+    from .registry.resolve import built_packs
+
+    entries = hub_packs() if remote else built_packs() + cached_packs()
+    for entry in entries:
+        click.echo(
+            f"{entry.repo_id}  {(entry.commit or '-')[:12]}  {entry.source} -> {entry.target}  "
+            f"{entry.where}"
+        )
+    if not entries:
+        click.echo("no packs " + ("on the Hub" if remote else "in the local caches"))
+
+
+@main.command()
+@click.argument("pack")
+@click.option("--revision", default=None, help="For a Hub pack: branch, tag or commit.")
+@click.option("--source", "source_model", default=None, help="Check the pack against this model.")
+@click.option("--target", "target_model", default=None, help="Check the pack against this model.")
+def verify(pack, revision, source_model, target_model) -> None:
+    """Check a pack folder or Hub repo: integrity, format, and (given models) its pins."""
+    from .core.mapper import KVMapper
+    from .core.pack import is_repo_id, read_config
+    from .core.spec import check_models, spec_from_pretrained
+    from .registry.packs import fetch_pack
+
+    remote = not Path(pack).exists() and is_repo_id(pack)
+    folder = fetch_pack(pack, revision=revision) if remote else Path(pack)
+    mapper = KVMapper.from_pretrained(folder)
+    config = read_config(folder)
+    click.echo(f"ok  {folder}")
+    click.echo("ok  integrity: tensors checksum, manifest digest and schema, shapes")
+    click.echo(
+        f"ok  format version {config['format_version']} (library {config['library_version']})"
+    )
+    click.echo(f"ok  pair {mapper.source.model_id} -> {mapper.target.model_id}")
+    click.echo(f"    source fingerprint {mapper.source.fingerprint}")
+    click.echo(f"    target fingerprint {mapper.target.fingerprint}")
+    if source_model or target_model:
+        source = spec_from_pretrained(source_model) if source_model else mapper.source
+        target = spec_from_pretrained(target_model) if target_model else mapper.target
+        check_models(mapper, source, target)
+        click.echo("ok  the given models are the ones the pack was fitted for")
+
+
 if __name__ == "__main__":
     main()

@@ -89,7 +89,11 @@ def spec_from_pretrained(path: str, revision: str | None = None) -> ModelSpec:
 
 
 def spec_from_config(config, tokenizer, model_id: str, revision: str | None = None) -> ModelSpec:
-    """Build a spec from a transformers config and tokenizer (weights are never touched)."""
+    """Build a spec from a transformers config and tokenizer (weights are never touched).
+
+    The spec's revision is ``revision`` or, for a model read from the Hugging Face cache, the
+    commit transformers resolved it to, so a pack pins the exact model it was fitted for."""
+    revision = revision or getattr(config, "_commit_hash", None)
     text_config = config.get_text_config(decoder=True)
     _check_full_attention(text_config, model_id)
     heads = text_config.num_attention_heads

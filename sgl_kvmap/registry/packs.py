@@ -27,7 +27,8 @@ from huggingface_hub.errors import (
 
 from ..core.errors import PackError
 from ..core.manifest import parse_manifest
-from ..core.pack import CARD_FILE, CONFIG_FILE, PACK_FILES, read_config
+from ..core.mapper import KVMapper
+from ..core.pack import CARD_FILE, CONFIG_FILE, PACK_FILES, load_pack, read_config
 from .card import render_card
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,7 @@ def push_pack(
     """Publish the pack ``folder`` to ``repo_id`` as one commit on branch ``revision`` (created
     if missing), optionally tagged ``tag``. The pack is verified first. Returns the commit id."""
     config = read_config(folder)
+    load_pack(folder, KVMapper)  # the whole pack is verified before it is published
     api = HfApi(endpoint=endpoint(), token=token, library_name=LIBRARY_NAME)
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)

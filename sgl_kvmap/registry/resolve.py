@@ -20,7 +20,7 @@ from huggingface_hub.utils import WeakFileLock
 
 from ..core.errors import PackError, PairMismatchError
 from ..core.mapper import KVMapper
-from ..core.pack import is_pack
+from ..core.pack import is_pack, read_config
 from ..core.spec import ModelSpec, check_models, check_pair, spec_from_pretrained
 from ..fitting.build import build_pack
 from ..fitting.config import PackRecipe
@@ -104,6 +104,27 @@ def built_pack_dir(source: ModelSpec, target: ModelSpec) -> Path:
     return cached_assets_path(library_name="sgl-kvmap", namespace="built", subfolder=key)
 
 
+def built_packs() -> list[PackEntry]:
+    """The packs built here (``resolve --build``) in huggingface_hub's assets cache."""
+    root = cached_assets_path(library_name="sgl-kvmap", namespace="built")
+    entries = []
+    for folder in sorted(root.glob("*/pack")):
+        if is_pack(folder):
+            config = read_config(folder)
+            entries.append(
+                PackEntry(
+                    folder.parent.name,
+                    None,
+                    config["source"]["model_id"],
+                    config["target"]["model_id"],
+                    config["source_fingerprint"],
+                    config["target_fingerprint"],
+                    str(folder),
+                )
+            )
+    return entries
+
+
 def build_missing(source: str, target: str, specs: tuple[ModelSpec, ModelSpec]) -> Path:
     """Fit the pair with its default recipe into ``built_pack_dir``, once: under a lock, a
     second process waits and then finds the pack the first one built."""
@@ -174,4 +195,4 @@ def _hub_candidates(specs, namespace, cache_dir, token):
             yield fetch_pack(entry.repo_id, revision=entry.commit, cache_dir=cache_dir, token=token)
 
 
-__all__ = ["built_pack_dir", "check_pins", "resolve_mapper", "resolve_pack"]
+__all__ = ["built_pack_dir", "built_packs", "check_pins", "resolve_mapper", "resolve_pack"]
