@@ -126,6 +126,20 @@ def _top_k(value: str) -> int | str:
         raise click.BadParameter("expected 'auto', 'auto-layer' or a positive integer") from None
 
 
+def _pack_folder(pack: str) -> str:
+    """A local pack folder for ``pack``: the folder itself, or a Hub pack fetched at one commit
+    (REPO_ID or REPO_ID@REVISION)."""
+    from .core.pack import is_repo_id
+    from .registry.packs import fetch_pack
+
+    repo_id, _, revision = pack.partition("@")
+    if Path(pack).is_dir() or not is_repo_id(repo_id):
+        if not Path(pack).is_dir():
+            raise click.BadParameter(f"{pack} is neither a pack folder nor a Hub repo id")
+        return pack
+    return str(fetch_pack(repo_id, revision=revision or None))
+
+
 @click.group()
 @click.option("-v", "--verbose", is_flag=True, help="Log progress details.")
 def main(verbose: bool) -> None:
@@ -588,8 +602,9 @@ def demo(
     "--pack",
     "packs",
     multiple=True,
-    type=click.Path(exists=True, file_okay=False),
-    help="A mapper pack between two of the engines (repeat; one per direction).",
+    callback=lambda ctx, param, packs: [_pack_folder(pack) for pack in packs],
+    help="A mapper pack between two of the engines, a folder or a Hub repo id (fetched at one "
+    "commit; repeat, one per direction).",
 )
 @click.option(
     "--store",
