@@ -42,7 +42,9 @@ def resolve_mapper(
     allow_mismatch: bool = False,
     namespace: str | None = None,
     cache_dir: str | Path | None = None,
+    assets_dir: str | Path | None = None,
     token: str | bool | None = None,
+    recipe: PackRecipe = PackRecipe(),
 ) -> KVMapper:
     """The checked mapper for ``source`` -> ``target`` (model folders or Hub ids); see the
     module docstring for where it comes from. Raises PackError when there is none."""
@@ -54,7 +56,9 @@ def resolve_mapper(
         allow_mismatch=allow_mismatch,
         namespace=namespace,
         cache_dir=cache_dir,
+        assets_dir=assets_dir,
         token=token,
+        recipe=recipe,
     )
     return KVMapper.from_pretrained(folder)
 
@@ -68,13 +72,18 @@ def resolve_pack(
     allow_mismatch: bool = False,
     namespace: str | None = None,
     cache_dir: str | Path | None = None,
+    assets_dir: str | Path | None = None,
     token: str | bool | None = None,
+    recipe: PackRecipe = PackRecipe(),
 ) -> Path:
-    """The local folder of the pack for ``source`` -> ``target`` (see ``resolve_mapper``)."""
+    """The local folder of the pack for ``source`` -> ``target`` (see ``resolve_mapper``).
+
+    ``cache_dir``: huggingface_hub's cache of Hub packs; ``assets_dir``: its assets cache, where
+    built packs go; ``recipe``: how a missing pack is built (default: the pair's default)."""
     specs = spec_from_pretrained(source), spec_from_pretrained(target)
     check_pair(*specs)
     offline = local_files_only or is_offline_mode()
-    for folder in _local_candidates(specs, cache_dir):
+    for folder in _local_candidates(specs, cache_dir, assets_dir):
         if _fits(folder, specs, allow_mismatch):
             return folder
     if not offline:
@@ -82,7 +91,7 @@ def resolve_pack(
             if _fits(folder, specs, allow_mismatch):
                 return folder
     if build:
-        return build_missing(source, target, specs)
+        return build_missing(source, target, specs, assets_dir, recipe)
     where = "in the local cache" if offline else "in the local cache or on the Hub"
     raise PackError(
         f"no mapper pack for {specs[0].model_id} -> {specs[1].model_id} {where}. "
@@ -95,18 +104,25 @@ def resolve_pack(
     )
 
 
-def built_pack_dir(source: ModelSpec, target: ModelSpec) -> Path:
+def built_pack_dir(
+    source: ModelSpec, target: ModelSpec, assets_dir: str | Path | None = None
+) -> Path:
     """Where a pack built here for this pair lives (huggingface_hub's assets cache)."""
     name = repo_name(
         source.model_id, target.model_id, source.fingerprint, target.fingerprint, target.model_type
     )
     key = f"{name}-{source.fingerprint[:8]}{target.fingerprint[:8]}"
-    return cached_assets_path(library_name="sgl-kvmap", namespace="built", subfolder=key)
+    return cached_assets_path(
+        library_name="sgl-kvmap", namespace="built", subfolder=key, assets_dir=assets_dir
+    )
 
 
-def built_packs() -> list[PackEntry]:
+def built_packs(assets_dir: str | Path | None = None) -> list[PackEntry]:
     """The packs built here (``resolve --build``) in huggingface_hub's assets cache."""
-    root = cached_assets_path(library_name="sgl-kvmap", namespace="built")
+    some_pair = cached_assets_path(
+        library_name="sgl-kvmap", namespace="built", assets_dir=assets_dir
+    )  # huggingface_hub names a folder per pair inside the namespace folder
+    root = some_pair.parent
     entries = []
     for folder in sorted(root.glob("*/pack")):
         if is_pack(folder):
@@ -125,15 +141,21 @@ def built_packs() -> list[PackEntry]:
     return entries
 
 
-def build_missing(source: str, target: str, specs: tuple[ModelSpec, ModelSpec]) -> Path:
+def build_missing(
+    source: str,
+    target: str,
+    specs: tuple[ModelSpec, ModelSpec],
+    assets_dir: str | Path | None = None,
+    recipe: PackRecipe = PackRecipe(),
+) -> Path:
     """Fit the pair with its default recipe into ``built_pack_dir``, once: under a lock, a
     second process waits and then finds the pack the first one built."""
-    folder = built_pack_dir(*specs) / "pack"
+    folder = built_pack_dir(*specs, assets_dir) / "pack"
     with WeakFileLock(folder.parent / "build.lock"):
         if is_pack(folder):
             return folder
         log.warning("building the pack %s -> %s here (this fits the pair)", source, target)
-        mapper, summary = build_pack(source, target, None, PackRecipe())
+        mapper, summary = build_pack(source, target, None, recipe)
         mapper.info["metrics"].update(summary)
         return mapper.save_pretrained(folder, overwrite=True)
 
@@ -171,8 +193,8 @@ def _matches(entry: PackEntry, specs: tuple[ModelSpec, ModelSpec]) -> bool:
     )
 
 
-def _local_candidates(specs, cache_dir) -> list[Path]:
-    built = built_pack_dir(*specs) / "pack"
+def _local_candidates(specs, cache_dir, assets_dir) -> list[Path]:
+    built = built_pack_dir(*specs, assets_dir) / "pack"
     found = [built] if is_pack(built) else []
     found += [Path(e.where) for e in cached_packs(cache_dir) if _matches(e, specs)]
     return found

@@ -1,0 +1,107 @@
+"""resolve without a Hub: an offline miss says how to get the pack, a build happens once and is
+found again, packs for other models are refused by their pins, and two processes resolving one
+pair at once build one valid pack.
+
+Caches are temporary folders passed as ``cache_dir`` / ``assets_dir`` (or ``HF_HOME`` for child
+processes); the Hub is never contacted (``local_files_only``)."""
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from sgl_kvmap.core.errors import PackError, PairMismatchError
+from sgl_kvmap.core.mapper import KVMapper
+from sgl_kvmap.core.spec import spec_from_pretrained
+from sgl_kvmap.fitting.config import CalibrationConfig, PackRecipe
+from sgl_kvmap.registry.resolve import built_packs, check_pins, resolve_pack
+
+from .conftest import save_loaded, tiny_model
+
+SMALL_RECIPE = PackRecipe(CalibrationConfig(tokens=512, window=64, top_k=1), None)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_pair, tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    other = tiny_model("qwen2", seed=3, layers=4, kv_heads=1, head_dim=32)
+    return {
+        "source": save_loaded(tiny_pair[0], root / "source"),
+        "target": save_loaded(tiny_pair[1], root / "target"),
+        "other": save_loaded(other, root / "other"),
+    }
+
+
+@pytest.fixture
+def caches(tmp_path):
+    return {"cache_dir": tmp_path / "hub", "assets_dir": tmp_path / "assets"}
+
+
+def test_an_offline_miss_says_how_to_get_the_pack(models, caches):
+    with pytest.raises(PackError) as err:
+        resolve_pack(models["source"], models["target"], local_files_only=True, **caches)
+    message = str(err.value)
+    assert "no mapper pack" in message and "in the local cache" in message
+    assert "sgl-kvmap pull" in message and "--build" in message
+
+
+def test_a_pack_is_built_once_then_found(models, caches):
+    built = resolve_pack(
+        models["source"], models["target"], build=True, local_files_only=True,
+        recipe=SMALL_RECIPE, **caches,
+    )  # fmt: skip
+    mapper = KVMapper.from_pretrained(built)
+    assert mapper.source.fingerprint == spec_from_pretrained(models["source"]).fingerprint
+    again = resolve_pack(models["source"], models["target"], local_files_only=True, **caches)
+    assert again == built
+    assert [e.where for e in built_packs(caches["assets_dir"])] == [str(built)]
+    # another target: not this pack
+    with pytest.raises(PackError, match="no mapper pack"):
+        resolve_pack(models["source"], models["other"], local_files_only=True, **caches)
+
+
+def test_pins_refuse_other_models_unless_told(models, caches, caplog):
+    built = resolve_pack(
+        models["source"], models["target"], build=True, local_files_only=True,
+        recipe=SMALL_RECIPE, **caches,
+    )  # fmt: skip
+    specs = spec_from_pretrained(models["source"]), spec_from_pretrained(models["other"])
+    wrong_weights_same_shape = replace(specs[1], config={**specs[1].config, "rope_theta": 1.0})
+    with pytest.raises(PairMismatchError, match="target"):
+        check_pins(built, (specs[0], wrong_weights_same_shape))
+    check_pins(built, (specs[0], wrong_weights_same_shape), allow_mismatch=True)
+    assert "does not match the models" in caplog.text
+
+
+BUILD = """
+import json, sys
+from sgl_kvmap.fitting.config import CalibrationConfig, PackRecipe
+from sgl_kvmap.registry.resolve import resolve_pack
+source, target, assets = sys.argv[1:]
+recipe = PackRecipe(CalibrationConfig(tokens=512, window=64, top_k=1), None)
+folder = resolve_pack(
+    source, target, build=True, local_files_only=True, assets_dir=assets, recipe=recipe
+)
+print(json.dumps(str(folder)))
+"""
+
+
+def test_two_processes_resolving_one_pair_build_one_pack(models, caches):
+    argv = [sys.executable, "-c", BUILD, models["source"], models["target"]]
+    procs = [
+        subprocess.Popen(
+            [*argv, str(caches["assets_dir"])],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    results = [proc.communicate(timeout=600) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], [err[-2000:] for _, err in results]
+    folders = {json.loads(out) for out, _ in results}
+    assert len(folders) == 1
+    assert sum("building the pack" in err for _, err in results) == 1
+    KVMapper.from_pretrained(folders.pop())
