@@ -4,6 +4,8 @@
 # (its pin, CUDA builds that run on CPU) come from the machine's local package index, SGLang
 # itself is installed without its GPU dependencies, and only the pure-Python packages its
 # KV-cache layer imports are added. On a GPU machine use `pip install -e '.[sglang]'` instead.
+# Last, olah (the local test Hub's mirror server) goes into .venv-olah, a virtual environment of
+# its own.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pip install -q torch==2.14.1 torchvision==0.29.1 nvidia-nvjitlink==13.4.92
@@ -13,4 +15,10 @@ pip install -q torch==2.14.1 orjson psutil pybase64 requests packaging starlette
   tokenizers==0.23.2 apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 compressed-tensors==0.18.0 \
   openai==2.8.0 setproctitle uvicorn fastapi
 pip install -q torch==2.14.1 transformers==5.19.0 -e '.[dev,bench]'
+# The test Hub (tests/hub_servers.py) runs olah, a Hugging Face mirror server, from its own virtual
+# environment, so olah's web-framework pins never touch this one; without it the Hub tests skip.
+if ! .venv-olah/bin/python -c "import olah.server" 2>/dev/null; then
+  { python -m venv --clear .venv-olah && .venv-olah/bin/pip install -q olah==0.5.4; } ||
+    echo "olah could not be installed: the Hub tests (tests/test_hub_servers.py) will skip" >&2
+fi
 python -c "import sglang.srt.managers.scheduler, sgl_kvmap; print('sgl-kvmap ready')"

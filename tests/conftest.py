@@ -1,5 +1,6 @@
 """Shared test fixtures: tiny randomly initialised transformers models (and a character
-tokenizer), fitted mappers of them, synthetic fitting problems and comparison helpers."""
+tokenizer), fitted mappers of them, synthetic fitting problems and comparison helpers; ``hub``,
+a local Hugging Face Hub (tests/hub_servers.py)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from sgl_kvmap.models.capture import (
     LoadedModel,
     capture_kv,
 )
+
+from .hub_servers import hub  # noqa: F401 (the local test Hub, a session fixture)
 
 CHARS = string.printable
 
