@@ -48,7 +48,14 @@ from .manifest import (
 from .residual import Residual
 from .spec import ModelSpec
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "READABLE_VERSIONS", "load_pack", "save_pack"]
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "READABLE_VERSIONS",
+    "check_destination",
+    "load_pack",
+    "save_pack",
+]
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +69,13 @@ def save_pack(mapper, folder: Path, *, overwrite: bool = False) -> Path:
     """Write ``mapper`` to ``folder``. Returns the folder.
 
     A new or empty folder is written; an existing pack is replaced only with ``overwrite``;
-    anything else is refused (PackError). Readers see the whole old pack or the whole new one.
+    anything else is refused (PackError, ``check_destination``). Readers see the whole old
+    pack or the whole new one.
     """
     folder = Path(folder).absolute()
-    with replacing_folder(folder, lambda existing: _may_replace(existing, overwrite)) as staging:
+    with replacing_folder(
+        folder, lambda existing: check_destination(existing, overwrite)
+    ) as staging:
         config = _config(mapper, tensors_sha256="")
         config = json.loads(json.dumps(config, allow_nan=False))  # the values as read back
         data = save(_tensors(mapper), metadata=_metadata(config))
@@ -124,6 +134,34 @@ def is_pack(folder: Path) -> bool:
         return data is not None and json.loads(data).get("format") == FORMAT_NAME
     except (OSError, ValueError, RecursionError, AttributeError):
         return False
+
+
+def check_destination(folder: Path, overwrite: bool = False) -> None:
+    """Refuse (PackError) a ``folder`` that ``save_pack`` may not write: one that exists and is
+    neither empty nor a pack, a pack beside other files, or a pack without ``overwrite``.
+
+    ``save_pack`` applies this rule under its lock; call it early to refuse before long work."""
+    folder = Path(folder)
+    if not (folder.exists() or folder.is_symlink()):
+        return
+    if folder.is_dir() and not folder.is_symlink() and not any(folder.iterdir()):
+        return
+    if not folder.is_dir() or not is_pack(folder):
+        raise PackError(
+            f"{folder} exists and is not a mapper pack; refusing to replace it. "
+            "Choose a new or empty folder."
+        )
+    others = sorted(set(os.listdir(folder)) - PACK_FILES)
+    if others:
+        raise PackError(
+            f"{folder} holds a mapper pack and other files ({', '.join(others[:4])}); "
+            "refusing to replace them. Move them away or choose another folder."
+        )
+    if not overwrite:
+        raise PackError(
+            f"{folder} already holds a mapper pack; pass overwrite=True "
+            "(sgl-kvmap: --overwrite) to replace it"
+        )
 
 
 def model_card(config: dict[str, Any]) -> str:
@@ -187,28 +225,6 @@ def _read_pack(folder: Path, names=(CONFIG_FILE, TENSORS_FILE)) -> dict[str, byt
 
 def _manifest(folder: Path, data: bytes) -> dict[str, Any]:
     return parse_manifest(data, str(folder / CONFIG_FILE))
-
-
-def _may_replace(folder: Path, overwrite: bool) -> None:
-    """Refuse to replace ``folder`` unless it is empty, or a pack and ``overwrite`` is set."""
-    if folder.is_dir() and not folder.is_symlink() and not any(folder.iterdir()):
-        return
-    if not folder.is_dir() or not is_pack(folder):
-        raise PackError(
-            f"{folder} exists and is not a mapper pack; refusing to replace it. "
-            "Choose a new or empty folder."
-        )
-    others = sorted(set(os.listdir(folder)) - PACK_FILES)
-    if others:
-        raise PackError(
-            f"{folder} holds a mapper pack and other files ({', '.join(others[:4])}); "
-            "refusing to replace them. Move them away or choose another folder."
-        )
-    if not overwrite:
-        raise PackError(
-            f"{folder} already holds a mapper pack; pass overwrite=True "
-            "(sgl-kvmap: --overwrite) to replace it"
-        )
 
 
 def _metadata(config: dict[str, Any]) -> dict[str, str]:
