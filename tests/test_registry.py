@@ -5,7 +5,9 @@ import pytest
 from huggingface_hub import constants
 
 from sgl_kvmap.core.errors import ModelSourceError
-from sgl_kvmap.models.capture import load_model, model_spec
+from sgl_kvmap.core.sources import local_folders
+from sgl_kvmap.core.spec import spec_from_pretrained
+from sgl_kvmap.models.capture import load_model
 from sgl_kvmap.registry import model_folder
 
 from .conftest import save_loaded
@@ -46,6 +48,12 @@ def test_neither_a_folder_nor_a_repo_id_is_one_clear_error(model, hub_cache):
         model_folder(model)
 
 
+def test_without_the_registry_only_folders_are_models(tmp_path):
+    assert local_folders(str(tmp_path)) == tmp_path
+    with pytest.raises(ModelSourceError, match="not a folder"):
+        local_folders(REPO)
+
+
 def test_offline_a_repo_id_outside_the_cache_says_so(hub_cache):
     with pytest.raises(ModelSourceError, match="not in the Hugging Face cache; HF_HUB_OFFLINE"):
         model_folder(REPO)
@@ -62,7 +70,7 @@ def test_a_cached_repo_id_loads_offline_under_its_own_name(tiny_pair, hub_cache,
     assert model_folder(REPO) == snapshot
     loaded = load_model(REPO)
     assert loaded.spec.model_id == REPO and loaded.spec.fingerprint == local_spec.fingerprint
-    assert model_spec(REPO) == loaded.spec
+    assert spec_from_pretrained(REPO) == loaded.spec
 
 
 def test_a_cached_snapshot_without_weights_serves_specs_but_not_loads(
@@ -71,7 +79,7 @@ def test_a_cached_snapshot_without_weights_serves_specs_but_not_loads(
     """A spec-only fetch (config and tokenizer) is enough for a spec, never taken for a model."""
     snapshot = cache_snapshot(hub_cache, tiny_pair[0], weights=False)
     assert model_folder(REPO, weights=False) == snapshot
-    assert model_spec(REPO).fingerprint == local_spec.fingerprint
+    assert spec_from_pretrained(REPO).fingerprint == local_spec.fingerprint
     with pytest.raises(ModelSourceError, match="HF_HUB_OFFLINE"):
         model_folder(REPO)
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from ..core.cache import KVCache
+from ..core.sources import model_folder
 from ..core.spec import ModelSpec, check_models, spec_from_config, spec_from_pretrained
-from ..registry.hub import model_folder
 
 _CAPTURE_ATTENTION = "sgl_kvmap_capture"
 _capture_state = threading.local()
@@ -40,7 +40,7 @@ class LoadedModel:
 def load_model(
     path: str, revision: str | None = None, dtype: torch.dtype = torch.float32
 ) -> LoadedModel:
-    """Load a causal LM + tokenizer (folder or Hub id, ``registry.model_folder``) for inference
+    """Load a causal LM + tokenizer (folder or Hub id, ``sources.model_folder``) for inference
     and describe it (its spec names it ``path``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -52,13 +52,6 @@ def load_model(
     return LoadedModel(model, tokenizer, spec)
 
 
-def model_spec(path: str, revision: str | None = None) -> ModelSpec:
-    """The spec of the model at ``path`` (folder or Hub id) from its config and tokenizer alone:
-    no weight is loaded (or, for a Hub id, downloaded)."""
-    folder = model_folder(path, revision, weights=False)
-    return replace(spec_from_pretrained(str(folder)), model_id=str(path), revision=revision)
-
-
 def load_models_for(
     mapper, source: str | None = None, target: str | None = None
 ) -> tuple[LoadedModel, LoadedModel]:
@@ -67,7 +60,7 @@ def load_models_for(
     a wrong model is refused (PairMismatchError) before any weight is loaded."""
     source = source or mapper.source.model_id
     target = target or mapper.target.model_id
-    check_models(mapper, model_spec(source), model_spec(target))
+    check_models(mapper, spec_from_pretrained(source), spec_from_pretrained(target))
     return load_model(source), load_model(target)
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..core.errors import KVMapError
 from ..core.pack import read_config
-from ..models.capture import model_spec
+from ..core.spec import spec_from_pretrained
 from .settings import INNER_BACKENDS, PeerSettings, StorageSettings
 
 PREFETCH_POLICIES = ("timeout", "wait_complete", "best_effort")
@@ -106,7 +106,7 @@ def engine_commands(
 
 def peers_of(engines: list[EngineSpec], packs: list[str | Path]) -> dict[str, list[PeerSettings]]:
     """Each engine's peers: the engines a pack translates from INTO it (by fingerprints)."""
-    by_fingerprint = {model_spec(e.model_path).fingerprint: e for e in engines}
+    by_fingerprint = {spec_from_pretrained(e.model_path).fingerprint: e for e in engines}
     peers: dict[str, list[PeerSettings]] = {e.name: [] for e in engines}
     for pack in packs:
         config = read_config(Path(pack))
