@@ -5,6 +5,7 @@ and translate one model's KV cache into the other's so a prefix survives a model
 Importing this package needs neither sglang, triton nor a GPU.
 """
 
+from . import registry as registry  # importing it installs the Hub as the model source
 from ._version import __version__ as __version__
 from .core.cache import KVCache
 from .core.errors import KVMapError, PackError, PairMismatchError

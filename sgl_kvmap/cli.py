@@ -1,15 +1,24 @@
-"""The ``sgl-kvmap`` command line: each command parses arguments and makes one library call."""
+"""The ``sgl-kvmap`` command line: each command parses arguments and makes one library call.
+
+Bad input gets one clear line: click refuses a malformed or out-of-range option (exit 2, its
+usage format), and an error the library raises on purpose (``KVMapError``) or meets in the
+file system or on the network (``OSError``) is printed as ``error: <message>`` on stderr
+(exit 1; ``--verbose`` adds the traceback).
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import traceback
 from dataclasses import replace
 from pathlib import Path
 
 import click
 from click.core import ParameterSource
 
+from .core.errors import KVMapError
 from .fitting.config import (
     AUTO_K,
     FAMILY_RATES,
@@ -29,6 +38,111 @@ SWEEPS_HELP = (
     "0: the source decodes its draft greedily, one token per forward; S: it guesses the draft "
     "by prompt lookup and refines it in S parallel forwards (Jacobi sweeps)."
 )
+
+
+class LibraryError(click.ClickException):
+    """An error of the library or the system, shown as one line ``error: <message>``."""
+
+    exit_code = 1
+
+    def show(self, file=None) -> None:
+        click.echo(f"error: {self.format_message()}", file=file, err=file is None)
+
+
+class OneLineErrors(click.Group):
+    """A group whose commands report a KVMapError or OSError as a LibraryError (one line,
+    exit 1); with the group's ``--verbose`` the traceback is printed above it."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (KVMapError, OSError) as err:
+            if ctx.params.get("verbose"):
+                click.echo("".join(traceback.format_exception(err)), err=True, nl=False)
+            raise LibraryError(_one_line(err)) from err
+
+
+def _one_line(err: BaseException) -> str:
+    """``err``'s message on one line (its type's name when it has none)."""
+    return " ".join(str(err).split()) or type(err).__name__
+
+
+class FiniteFloatRange(click.FloatRange):
+    """A FloatRange that also refuses nan and inf (FloatRange lets nan through)."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{number} is not a finite number.", param, ctx)
+        return number
+
+
+class RankType(click.ParamType):
+    """--rank: 'auto', 'none' (None: a k-layer map) or a positive integer."""
+
+    name = "rank"
+
+    def convert(self, value, param, ctx) -> int | str | None:
+        if value in (None, "none", "auto"):
+            return None if value == "none" else value
+        try:
+            rank = int(value)
+        except ValueError:
+            rank = 0
+        if rank < 1:
+            self.fail(f"takes 'auto', 'none' or an integer >= 1, got {value!r}", param, ctx)
+        return rank
+
+
+class TopKType(click.ParamType):
+    """--top-k: 'auto', 'auto-layer' or a positive integer."""
+
+    name = "top_k"
+
+    def convert(self, value, param, ctx) -> int | str:
+        if value in AUTO_K:
+            return value
+        try:
+            k = int(value)
+        except ValueError:
+            k = 0
+        if k < 1:
+            self.fail(
+                f"expected 'auto', 'auto-layer' or a positive integer, got {value!r}", param, ctx
+            )
+        return k
+
+
+COUNT = click.IntRange(min=1)  # at least one
+AMOUNT = click.IntRange(min=0)  # 0: none / off
+PROMPT = click.IntRange(min=2)  # a prompt: at least two tokens (the last one is recomputed)
+PORT = click.IntRange(1, 65535)
+
+
+def _off_or_prompt(ctx: click.Context, param: click.Parameter, tokens: int) -> int:
+    """--speed-tokens: 0 (off) or a prompt of at least two tokens."""
+    if tokens == 1:
+        raise click.BadParameter("takes 0 (off) or a prompt of at least 2 tokens, got 1")
+    return tokens
+
+
+def _check_tail(ctx: click.Context, tail: int, prompt_len: int, prompt_flag: str) -> None:
+    """Refuse a --tail that does not leave the prompt's last token and one translated one."""
+    if tail >= prompt_len - 1:
+        raise click.BadParameter(
+            f"must be less than {prompt_flag} - 1 ({prompt_len - 1}), got {tail}",
+            ctx,
+            param_hint="'--tail'",
+        )
+
+
+def _config(ctx: click.Context, make, *args, **kwargs):
+    """``make(*args, **kwargs)`` (a config dataclass); what its validation refuses is a usage
+    error (exit 2)."""
+    try:
+        return make(*args, **kwargs)
+    except KVMapError as err:
+        raise click.UsageError(str(err), ctx) from None
 
 
 def _rank_text(rank: int | str | None) -> str:
@@ -51,9 +165,15 @@ def _repair_options(repair: Repair | None, anchors_help: str, draft_help: str):
     the draft and sweeps ``Repair``'s own)."""
     repair = repair or Repair(anchors=0)
     options = [
-        click.option("--anchors", default=repair.anchors, show_default=True, help=anchors_help),
-        click.option("--draft", default=repair.draft, show_default=True, help=draft_help),
-        click.option("--sweeps", default=repair.sweeps, show_default=True, help=SWEEPS_HELP),
+        click.option(
+            "--anchors", type=AMOUNT, default=repair.anchors, show_default=True, help=anchors_help
+        ),
+        click.option(
+            "--draft", type=COUNT, default=repair.draft, show_default=True, help=draft_help
+        ),
+        click.option(
+            "--sweeps", type=AMOUNT, default=repair.sweeps, show_default=True, help=SWEEPS_HELP
+        ),
     ]
 
     def decorate(command):
@@ -62,19 +182,6 @@ def _repair_options(repair: Repair | None, anchors_help: str, draft_help: str):
         return command
 
     return decorate
-
-
-def _rank(value: str | None) -> int | str | None:
-    if value in (None, "none"):
-        return None
-    if value == "auto":
-        return value
-    try:
-        return int(value)
-    except ValueError as err:
-        raise click.BadParameter(
-            f"--rank takes 'auto', 'none' or an integer, got {value!r}"
-        ) from err
 
 
 def _rank_or_top_k(ctx: click.Context, rank: int | str | None) -> int | str | None:
@@ -96,7 +203,7 @@ def _lr_option(flag: str, tuning: TuneConfig):
     """Tuning's learning rate, for `tune --lr` and `fit --tune-lr`."""
     return click.option(
         flag,
-        type=float,
+        type=FiniteFloatRange(min=0, min_open=True),
         default=tuning.lr,
         help="Tuning's relative Adam learning rate (each weight tensor's step: this x its RMS). "
         "Default: "
@@ -117,15 +224,6 @@ def _objective_option(flag: str, tuning: TuneConfig):
     )
 
 
-def _top_k(value: str) -> int | str:
-    if value in AUTO_K:
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise click.BadParameter("expected 'auto', 'auto-layer' or a positive integer") from None
-
-
 def _pack_folder(pack: str) -> str:
     """A local pack folder for ``pack``: the folder itself, or a Hub pack fetched at one commit
     (REPO_ID or REPO_ID@REVISION)."""
@@ -140,8 +238,10 @@ def _pack_folder(pack: str) -> str:
     return str(fetch_pack(repo_id, revision=revision or None))
 
 
-@click.group()
-@click.option("-v", "--verbose", is_flag=True, help="Log progress details.")
+@click.group(cls=OneLineErrors)
+@click.option(
+    "-v", "--verbose", is_flag=True, help="Log progress details; show the traceback of errors."
+)
 def main(verbose: bool) -> None:
     """Cross-model KV cache transfer: fit, evaluate and inspect mapper packs."""
     logging.basicConfig(
@@ -158,8 +258,9 @@ def main(verbose: bool) -> None:
     "out",
     required=True,
     type=click.Path(file_okay=False, path_type=Path),
-    help="Pack folder to write.",
+    help="Pack folder to write (new, empty, or a pack to replace with --overwrite).",
 )
+@click.option("--overwrite", is_flag=True, help="Replace the pack already at --out.")
 @click.option(
     "--calibration",
     multiple=True,
@@ -168,6 +269,7 @@ def main(verbose: bool) -> None:
 )
 @click.option(
     "--tokens",
+    type=COUNT,
     default=PACK.calibration.tokens,
     show_default=True,
     help="Calibration tokens (train + held-out). The fidelity loop's strongest lever, and "
@@ -175,6 +277,7 @@ def main(verbose: bool) -> None:
 )
 @click.option(
     "--window",
+    type=PROMPT,
     default=PACK.calibration.window,
     show_default=True,
     help="Tokens per calibration forward.",
@@ -182,6 +285,7 @@ def main(verbose: bool) -> None:
 @click.option(
     "--top-k",
     "top_k",
+    type=TopKType(),
     default=str(PACK.calibration.top_k),
     show_default=True,
     help="Source layers per target layer: N, 'auto' (one k, chosen on held-out calibration "
@@ -189,6 +293,7 @@ def main(verbose: bool) -> None:
 )
 @click.option(
     "--ridge",
+    type=FiniteFloatRange(min=0),
     default=PACK.calibration.ridge,
     show_default=True,
     help="Ridge lambda on the un-normalised Gram.",
@@ -200,18 +305,21 @@ def main(verbose: bool) -> None:
 )
 @click.option(
     "--sink-tokens",
+    type=AMOUNT,
     default=PACK.calibration.sink_tokens,
     show_default=True,
     help="Leading tokens the target computes itself.",
 )
 @click.option(
     "--stride",
+    type=COUNT,
     default=PACK.calibration.stride,
     show_default=True,
     help="Keep every n-th calibration token.",
 )
 @click.option(
     "--attention-power",
+    type=FiniteFloatRange(min=0),
     default=PACK.calibration.attention_power,
     show_default=True,
     help="Weight calibration tokens by the attention the target pays them, to this power "
@@ -219,6 +327,7 @@ def main(verbose: bool) -> None:
 )
 @click.option(
     "--rank",
+    type=RankType(),
     default=_rank_text(PACK.calibration.rank),
     show_default=True,
     help="Reduced-rank map: every target layer reads all source layers through one shared "
@@ -229,6 +338,7 @@ def main(verbose: bool) -> None:
 )
 @click.option(
     "--tune-steps",
+    type=AMOUNT,
     default=_tune_steps(PACK.tuning),
     show_default=True,
     help="Then tune the fitted map for this many steps on the target's next-token loss over "
@@ -242,6 +352,7 @@ def fit(
     source,
     target,
     out,
+    overwrite,
     calibration,
     tokens,
     window,
@@ -256,41 +367,55 @@ def fit(
     tune_lr,
     tune_objective,
 ) -> None:
-    """Fit a SOURCE -> TARGET mapper (anything transformers loads) and save it as a pack."""
+    """Fit a SOURCE -> TARGET mapper (a local folder or a Hugging Face Hub id) and save it as a
+    pack."""
+    from .core.pack import check_destination
     from .fitting.build import build_pack
 
-    calibration_config = replace(
+    calibration_config = _config(
+        ctx,
+        replace,
         PACK.calibration,
         tokens=tokens,
         window=window,
-        top_k=_top_k(top_k),
+        top_k=top_k,
         ridge=ridge,
         ridge_relative=ridge_relative,
         sink_tokens=sink_tokens,
         stride=stride,
         attention_power=attention_power,
-        rank=_rank_or_top_k(ctx, _rank(rank)),
+        rank=_rank_or_top_k(ctx, rank),
     )
     tuning = (
-        replace(PACK.tuning or TUNE, steps=tune_steps, lr=tune_lr, objective=tune_objective)
+        _config(
+            ctx,
+            replace,
+            PACK.tuning or TUNE,
+            steps=tune_steps,
+            lr=tune_lr,
+            objective=tune_objective,
+        )
         if tune_steps
         else None
     )
     recipe = PackRecipe(calibration_config, tuning)
+    check_destination(out, overwrite)  # before the fit's minutes, not after
     mapper, summary = build_pack(source, target, list(calibration) or None, recipe)
-    mapper.save_pretrained(out)
+    mapper.save_pretrained(out, overwrite=overwrite)
     click.echo(json.dumps(summary, indent=2))
     click.echo(f"pack written to {out}")
 
 
 @main.command()
-@click.argument("pack", type=click.Path(exists=True, file_okay=False))
+@click.argument("pack", type=click.Path(file_okay=False, path_type=Path))
 @click.option(
     "--out",
     required=True,
     type=click.Path(file_okay=False, path_type=Path),
-    help="Pack folder to write the tuned mapper to.",
+    help="Pack folder to write the tuned mapper to (new, empty, or a pack to replace with "
+    "--overwrite).",
 )
+@click.option("--overwrite", is_flag=True, help="Replace the pack already at --out.")
 @click.option(
     "--calibration",
     multiple=True,
@@ -298,22 +423,25 @@ def fit(
     help="Text file or folder (repeatable), split into training and held-out files as `fit` "
     "splits them. Default: the Python stdlib's sources and those of sgl-kvmap's dependencies.",
 )
-@click.option("--steps", default=TUNE.steps, show_default=True, help="Gradient steps.")
+@click.option("--steps", type=COUNT, default=TUNE.steps, show_default=True, help="Gradient steps.")
 @_lr_option("--lr", TUNE)
 @click.option(
     "--prompt-len",
+    type=PROMPT,
     default=TUNE.prompt_len,
     show_default=True,
     help="Prompt tokens translated per step.",
 )
 @click.option(
     "--continuation",
+    type=COUNT,
     default=TUNE.continuation,
     show_default=True,
     help="Tokens after the prompt whose next-token loss is minimised.",
 )
 @click.option(
     "--eval-every",
+    type=COUNT,
     default=TUNE.eval_every,
     show_default=True,
     help="Score held-out windows every N steps; the best weights are kept.",
@@ -321,12 +449,14 @@ def fit(
 @_objective_option("--objective", TUNE)
 @click.option(
     "--warmup",
+    type=AMOUNT,
     default=TUNE.warmup,
     show_default=True,
     help="Steps over which the rate rises linearly to --lr.",
 )
 @click.option(
     "--tail",
+    type=AMOUNT,
     default=TUNE.tail,
     show_default=True,
     help="Prompt tokens the hand-off recomputes (`eval --tail`); the map is tuned and scored "
@@ -334,6 +464,7 @@ def fit(
 )
 @click.option(
     "--residual-hidden",
+    type=AMOUNT,
     default=TUNE.residual_hidden,
     show_default=True,
     help="Grow a non-linear residual of this width on a reduced-rank map and tune it with the "
@@ -341,9 +472,12 @@ def fit(
 )
 @click.option("--source", "source_path", default=None, help="Default: the pack's source.")
 @click.option("--target", "target_path", default=None, help="Default: the pack's target.")
+@click.pass_context
 def tune(
+    ctx,
     pack,
     out,
+    overwrite,
     calibration,
     steps,
     lr,
@@ -365,13 +499,14 @@ def tune(
     included, are kept.
     """
     from .core.mapper import KVMapper
+    from .core.pack import check_destination
     from .fitting.tune import tune_mapper
-    from .models.capture import load_model
+    from .models.capture import load_models_for
 
-    mapper = KVMapper.from_pretrained(pack)
-    source = load_model(source_path or mapper.source.model_id)
-    target = load_model(target_path or mapper.target.model_id)
-    config = TuneConfig(
+    _check_tail(ctx, tail, prompt_len, "--prompt-len")
+    config = _config(
+        ctx,
+        TuneConfig,
         steps=steps,
         lr=lr,
         prompt_len=prompt_len,
@@ -382,30 +517,35 @@ def tune(
         tail=tail,
         residual_hidden=residual_hidden,
     )
+    check_destination(out, overwrite)  # before the models load and tuning runs
+    mapper = KVMapper.from_pretrained(pack)
+    source, target = load_models_for(mapper, source_path, target_path)
     tuned, report = tune_mapper(mapper, source, target, list(calibration) or None, config)
-    tuned.save_pretrained(out)
+    tuned.save_pretrained(out, overwrite=overwrite)
     click.echo(json.dumps({**report.summary(), "curve": report.curve}, indent=2))
     click.echo(f"pack written to {out}")
 
 
 @main.command(name="eval")
-@click.argument("pack", type=click.Path(exists=True, file_okay=False))
+@click.argument("pack", type=click.Path(file_okay=False, path_type=Path))
 @click.option(
     "--texts",
     multiple=True,
     type=click.Path(exists=True),
     help="Held-out text file or folder (repeatable). Default: third-party sources + licence texts.",
 )
-@click.option("--prefix-len", default=EVAL.prefix_len, show_default=True)
-@click.option("--continuation", default=EVAL.continuation, show_default=True)
+@click.option("--prefix-len", type=PROMPT, default=EVAL.prefix_len, show_default=True)
+@click.option("--continuation", type=COUNT, default=EVAL.continuation, show_default=True)
 @click.option(
     "--tail",
+    type=AMOUNT,
     default=EVAL.tail,
     show_default=True,
     help="Prompt tokens recomputed by the target besides the last one.",
 )
 @click.option(
     "--windows",
+    type=COUNT,
     default=EVAL.windows,
     show_default=True,
     help="Evaluation windows (one per text file).",
@@ -430,13 +570,17 @@ def tune(
 )
 @click.option(
     "--speed-tokens",
+    type=AMOUNT,
+    callback=_off_or_prompt,
     default=EVAL.speed_tokens,
     show_default=True,
     help="Also time the same hand-off (tail, repair) against the target's re-prefill of a "
     "prompt of this many tokens, on this machine (0: off).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.pass_context
 def eval_(
+    ctx,
     pack,
     texts,
     prefix_len,
@@ -455,15 +599,14 @@ def eval_(
     from .core.mapper import KVMapper
     from .fitting.evaluate import evaluate
     from .fitting.texts import default_eval_files, eval_windows, expand_paths, prompt_of_length
-    from .models.capture import load_model
+    from .models.capture import load_models_for
     from .models.timing import measure_speed
 
-    config = EvalConfig(
-        prefix_len, continuation, tail, windows, _repair(anchors, draft, sweeps), speed_tokens
-    )
+    _check_tail(ctx, tail, prefix_len, "--prefix-len")
+    repair = _config(ctx, _repair, anchors, draft, sweeps)
+    config = _config(ctx, EvalConfig, prefix_len, continuation, tail, windows, repair, speed_tokens)
     mapper = KVMapper.from_pretrained(pack)
-    source = load_model(source_path or mapper.source.model_id)
-    target = load_model(target_path or mapper.target.model_id)
+    source, target = load_models_for(mapper, source_path, target_path)
     files = expand_paths(texts) if texts else default_eval_files()
     token_windows = eval_windows(target.tokenizer, files, prefix_len + continuation, windows)
     report = evaluate(
@@ -490,7 +633,7 @@ def eval_(
 
 
 @main.command()
-@click.argument("pack", type=click.Path(exists=True, file_okay=False))
+@click.argument("pack", type=click.Path(file_okay=False, path_type=Path))
 def inspect(pack) -> None:
     """Validate a pack and print what it maps and what was measured."""
     from .core.mapper import KVMapper
@@ -517,21 +660,24 @@ def inspect(pack) -> None:
 @main.command()
 @click.option(
     "--tokens",
+    type=COUNT,
     default=DEMO.recipe.calibration.tokens,
     show_default=True,
     help="Calibration tokens (both directions share them).",
 )
 @click.option(
     "--windows",
+    type=COUNT,
     default=DEMO.evaluation.windows,
     show_default=True,
     help="Evaluation windows per direction.",
 )
-@click.option("--prefix-len", default=DEMO.evaluation.prefix_len, show_default=True)
-@click.option("--continuation", default=DEMO.evaluation.continuation, show_default=True)
-@click.option("--tail", default=DEMO.evaluation.tail, show_default=True)
+@click.option("--prefix-len", type=PROMPT, default=DEMO.evaluation.prefix_len, show_default=True)
+@click.option("--continuation", type=COUNT, default=DEMO.evaluation.continuation, show_default=True)
+@click.option("--tail", type=AMOUNT, default=DEMO.evaluation.tail, show_default=True)
 @click.option(
     "--bench-tokens",
+    type=PROMPT,
     default=DEMO.evaluation.speed_tokens,
     show_default=True,
     help="Prefix length for the speed comparison.",
@@ -550,17 +696,21 @@ def inspect(pack) -> None:
 )
 @click.option(
     "--rank",
+    type=RankType(),
     default=_rank_text(DEMO.recipe.calibration.rank),
     show_default=True,
     help="Reduced rank of both maps: N, 'auto' or 'none' (k selected source layers).",
 )
 @click.option(
     "--tune-steps",
+    type=AMOUNT,
     default=_tune_steps(DEMO.recipe.tuning),
     show_default=True,
     help="Downstream tuning steps after each fit (`sgl-kvmap tune`; 0: none).",
 )
+@click.pass_context
 def demo(
+    ctx,
     tokens,
     windows,
     prefix_len,
@@ -580,12 +730,14 @@ def demo(
     """
     from .demo import run_demo
 
+    _check_tail(ctx, tail, prefix_len, "--prefix-len")
     recipe = PackRecipe(
-        replace(DEMO.recipe.calibration, tokens=tokens, rank=_rank(rank)),
-        replace(DEMO.recipe.tuning or TUNE, steps=tune_steps) if tune_steps else None,
+        _config(ctx, replace, DEMO.recipe.calibration, tokens=tokens, rank=rank),
+        _config(ctx, replace, DEMO.recipe.tuning or TUNE, steps=tune_steps) if tune_steps else None,
     )
-    evaluation = EvalConfig(
-        prefix_len, continuation, tail, windows, _repair(anchors, draft, sweeps), bench_tokens
+    repair = _config(ctx, _repair, anchors, draft, sweeps)
+    evaluation = _config(
+        ctx, EvalConfig, prefix_len, continuation, tail, windows, repair, bench_tokens
     )
     click.echo(run_demo(out, DemoConfig(recipe, evaluation)))
 
@@ -615,12 +767,23 @@ def demo(
     "supported yet).",
 )
 @click.option("--store-path", default=STORE_PATH, show_default=True)
-@click.option("--page-size", default=PAGE_SIZE, show_default=True)
 @click.option(
-    "--port", default=EngineSpec.port, show_default=True, help="First engine's port (+1 each)."
+    "--page-size", type=COUNT, default=PAGE_SIZE, show_default=True, help="Tokens per KV page."
 )
 @click.option(
-    "--tp", "tp_size", default=EngineSpec.tp_size, show_default=True, help="Tensor parallel size."
+    "--port",
+    type=PORT,
+    default=EngineSpec.port,
+    show_default=True,
+    help="First engine's port (+1 each).",
+)
+@click.option(
+    "--tp",
+    "tp_size",
+    type=COUNT,
+    default=EngineSpec.tp_size,
+    show_default=True,
+    help="Tensor parallel size.",
 )
 @click.option(
     "--prefetch-policy",
@@ -630,14 +793,22 @@ def demo(
     help="SGLang's prefetch stop policy for engines that translate; with timeout, the deadline "
     "is set from the packs' translation time measured on this machine.",
 )
-def sglang_args(engines, packs, store, store_path, page_size, port, tp_size, prefetch_policy):
+@click.pass_context
+def sglang_args(ctx, engines, packs, store, store_path, page_size, port, tp_size, prefetch_policy):
     """Print the SGLang launch command of every ENGINE, sharing prefixes through sgl-kvmap."""
-    from .sglang.launch import engine_commands, measured_deadline, shell_line
+    from .sglang.launch import engine_commands, measured_deadline, peers_of, shell_line
 
+    if port + len(engines) - 1 > PORT.max:
+        raise click.BadParameter(
+            f"the last of {len(engines)} engines would get port {port + len(engines) - 1}",
+            ctx,
+            param_hint="'--port'",
+        )
     specs = [
         EngineSpec(*engine.split("=", 1), port=port + i, tp_size=tp_size)
         for i, engine in enumerate(engines)
     ]
+    peers_of(specs, list(packs))  # every pack between two engines, before timing any
     deadline, lines = measured_deadline(list(packs), prefetch_policy)
     for line in lines:
         click.echo(f"# {line}")

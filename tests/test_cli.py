@@ -1,14 +1,19 @@
 import json
+import os
+import subprocess
+import sys
 import sysconfig
+import time
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 
 from sgl_kvmap.cli import main
 from sgl_kvmap.fitting.config import FAMILY_RATES, DemoConfig, PackRecipe
 
-from .conftest import save_loaded
+from .conftest import save_loaded, tiny_model
 
 
 def succeed(args: list[str]):
@@ -16,6 +21,24 @@ def succeed(args: list[str]):
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     return result
+
+
+def fail_in_one_line(args: list[str]) -> str:
+    """Run the command line with ``args``; it must exit 1 with one line ``error: ...`` on
+    stderr and nothing on stdout. Returns that line."""
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1, result.output
+    assert result.stdout == "" and len(result.stderr.splitlines()) == 1, result.output
+    assert result.stderr.startswith("error: ")
+    return result.stderr
+
+
+def refused_as_usage(args: list[str], option: str) -> str:
+    """Run the command line with ``args``; click must refuse ``option`` (exit 2, its format)."""
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '{option}'" in result.stderr, result.output
+    return result.stderr
 
 
 def printed_json(output: str) -> dict:
@@ -103,15 +126,33 @@ def test_eval_json_has_every_baseline(fitted_pack, text_dir):
     assert report["repaired"]["nll"] > 0 and "retention_repaired" in report
 
 
-def test_a_damaged_pack_fails_with_the_reason(fitted_pack, tmp_path):
+def test_a_damaged_pack_fails_in_one_line_with_the_reason(fitted_pack, tmp_path):
     import shutil
 
     broken = tmp_path / "broken"
     shutil.copytree(fitted_pack[0], broken)
     (broken / "mapper.safetensors").write_bytes(b"0" * 100)
-    result = CliRunner().invoke(main, ["inspect", str(broken)])
-    assert result.exit_code != 0
-    assert "checksum" in str(result.exception)
+    assert "checksum" in fail_in_one_line(["inspect", str(broken)])
+    verbose = CliRunner().invoke(main, ["--verbose", "inspect", str(broken)])
+    assert verbose.exit_code == 1 and "Traceback (most recent call last)" in verbose.stderr
+    assert verbose.stderr.splitlines()[-1].startswith("error: ") and "checksum" in verbose.stderr
+
+
+def test_a_missing_pack_fails_in_one_line_that_names_it(tmp_path):
+    for command in (["inspect"], ["eval"], ["tune", "--out", str(tmp_path / "t")]):
+        line = fail_in_one_line([*command, str(tmp_path / "nowhere")])
+        assert f"{tmp_path / 'nowhere'} is not a mapper pack" in line
+
+
+def test_an_os_error_fails_in_one_line(fitted_pack, monkeypatch):
+    """An OSError met anywhere in a command (here: reading the pack) is one line too."""
+    from sgl_kvmap.core.mapper import KVMapper
+
+    def unreadable(cls, folder):
+        raise PermissionError(13, "Permission denied", str(folder))
+
+    monkeypatch.setattr(KVMapper, "from_pretrained", classmethod(unreadable))
+    assert "Permission denied" in fail_in_one_line(["inspect", str(fitted_pack[0])])
 
 
 def test_bad_top_k_is_a_usage_error(model_dirs, tmp_path):
@@ -136,7 +177,7 @@ def test_fit_defaults_to_an_auto_rank_pack_tuned_at_its_familys_rate(
     family = "k-layer" if pack["rank"] is None else "reduced-rank"
     assert (tuning["steps"], tuning["warmup"]) == (120, 20)
     assert tuning["lr"] == summary["tune_lr"] == FAMILY_RATES[family]
-    args += ["--tune-steps", "0"]
+    args += ["--tune-steps", "0", "--overwrite"]  # the same folder again
     succeed([*args, "--rank", "96"])
     assert json.loads((tmp_path / "p" / "kvmap.json").read_text())["rank"] == 96
     bad = CliRunner().invoke(main, [*args, "--rank", "many"])
@@ -225,10 +266,8 @@ def test_sglang_args_give_the_target_its_peer_and_pack(fitted_pack, model_dirs):
     assert "prefetch_timeout_base" not in extra[0]  # SGLang's defaults where nothing translates
     mooncake = CliRunner().invoke(main, [*args, str(fitted_pack[0]), "--store", "mooncake"])
     assert mooncake.exit_code == 2 and "'mooncake' is not 'file'" in mooncake.output
-    wrong = CliRunner().invoke(
-        main, ["sglang-args", "--engine", source, "--pack", str(fitted_pack[0])]
-    )
-    assert wrong.exit_code != 0 and "not both among the engines" in str(wrong.exception)
+    wrong = fail_in_one_line(["sglang-args", "--engine", source, "--pack", str(fitted_pack[0])])
+    assert "not both among the engines" in wrong
 
 
 def sglang_parses(argv: list[str]):
@@ -261,7 +300,7 @@ def test_without_options_fit_and_demo_run_the_library_defaults(model_dirs, tmp_p
     seen = {}
 
     class Unsaved:
-        def save_pretrained(self, out):
+        def save_pretrained(self, out, overwrite):
             seen["out"] = out
 
     def build_pack(source, target, calibration, recipe):
@@ -278,3 +317,174 @@ def test_without_options_fit_and_demo_run_the_library_defaults(model_dirs, tmp_p
     assert seen["recipe"] == PackRecipe()
     assert succeed(["demo"]).output == "table\n"
     assert seen["demo"] == DemoConfig()
+
+
+def numeric_options():
+    """(command, option) of every option of every command whose values are numbers."""
+    numeric = (int, float)
+    for name, command in main.commands.items():
+        for param in command.params:
+            if isinstance(param, click.Option) and not param.is_flag:
+                if param.type in (click.INT, click.FLOAT) or isinstance(param.default, numeric):
+                    yield name, param
+
+
+def test_every_numeric_option_has_a_checked_type():
+    """No option takes a bare int or float: each states its range (or a custom check)."""
+    options = list(numeric_options())
+    assert len(options) > 30
+    for name, param in options:
+        assert param.type not in (click.INT, click.FLOAT), f"{name} {param.opts[0]}"
+
+
+@pytest.mark.parametrize(
+    "args, option",
+    [
+        (["eval", "PACK", "--windows", "0"], "--windows"),
+        (["eval", "PACK", "--windows", "-3"], "--windows"),
+        (["eval", "PACK", "--speed-tokens", "-5"], "--speed-tokens"),
+        (["eval", "PACK", "--speed-tokens", "1"], "--speed-tokens"),
+        (["eval", "PACK", "--tail", "-1"], "--tail"),
+        (["eval", "PACK", "--tail", "1000", "--prefix-len", "1000"], "--tail"),
+        (["eval", "PACK", "--prefix-len", "1"], "--prefix-len"),
+        (["eval", "PACK", "--continuation", "0"], "--continuation"),
+        (["eval", "PACK", "--anchors", "-1"], "--anchors"),
+        (["eval", "PACK", "--draft", "0"], "--draft"),
+        (["eval", "PACK", "--sweeps", "-1"], "--sweeps"),
+        (["fit", "S", "T", "--out", "OUT", "--sink-tokens", "-1"], "--sink-tokens"),
+        (["fit", "S", "T", "--out", "OUT", "--ridge", "nan"], "--ridge"),
+        (["fit", "S", "T", "--out", "OUT", "--ridge", "-1"], "--ridge"),
+        (["fit", "S", "T", "--out", "OUT", "--attention-power", "inf"], "--attention-power"),
+        (["fit", "S", "T", "--out", "OUT", "--tune-lr", "nan"], "--tune-lr"),
+        (["fit", "S", "T", "--out", "OUT", "--tune-lr", "0"], "--tune-lr"),
+        (["fit", "S", "T", "--out", "OUT", "--tokens", "0"], "--tokens"),
+        (["fit", "S", "T", "--out", "OUT", "--window", "1"], "--window"),
+        (["fit", "S", "T", "--out", "OUT", "--stride", "0"], "--stride"),
+        (["fit", "S", "T", "--out", "OUT", "--tune-steps", "-1"], "--tune-steps"),
+        (["fit", "S", "T", "--out", "OUT", "--rank", "0"], "--rank"),
+        (["fit", "S", "T", "--out", "OUT", "--top-k", "-2"], "--top-k"),
+        (["tune", "PACK", "--out", "OUT", "--steps", "0"], "--steps"),
+        (["tune", "PACK", "--out", "OUT", "--lr", "inf"], "--lr"),
+        (["tune", "PACK", "--out", "OUT", "--tail", "47", "--prompt-len", "48"], "--tail"),
+        (["tune", "PACK", "--out", "OUT", "--warmup", "-1"], "--warmup"),
+        (["tune", "PACK", "--out", "OUT", "--eval-every", "0"], "--eval-every"),
+        (["tune", "PACK", "--out", "OUT", "--residual-hidden", "-8"], "--residual-hidden"),
+        (["demo", "--bench-tokens", "1"], "--bench-tokens"),
+        (["demo", "--tail", "2000"], "--tail"),
+        (["demo", "--windows", "0"], "--windows"),
+        (["sglang-args", "--engine", "M", "--port", "-5"], "--port"),
+        (["sglang-args", "--engine", "M", "--port", "70000"], "--port"),
+        (["sglang-args", "--engine", "M", "--engine", "N", "--port", "65535"], "--port"),
+        (["sglang-args", "--engine", "M", "--tp", "0"], "--tp"),
+        (["sglang-args", "--engine", "M", "--page-size", "-1"], "--page-size"),
+    ],
+)
+def test_bad_numbers_are_refused_naming_the_option(args, option, monkeypatch):
+    """Refused before anything runs: nothing is loaded, fitted or launched."""
+    from sgl_kvmap import demo
+    from sgl_kvmap.core.mapper import KVMapper
+    from sgl_kvmap.fitting import build
+
+    def never(*args, **kwargs):
+        raise AssertionError("ran with a bad number")
+
+    monkeypatch.setattr(build, "build_pack", never)
+    monkeypatch.setattr(demo, "run_demo", never)
+    monkeypatch.setattr(KVMapper, "from_pretrained", never)
+    refused_as_usage(args, option)
+
+
+def test_cross_field_rules_of_the_configs_are_usage_errors(model_dirs, tmp_path):
+    """What only a config's validation sees (calibration shorter than two windows) is refused
+    as a usage error too, before any model loads."""
+    result = CliRunner().invoke(
+        main, ["fit", *model_dirs, "--out", str(tmp_path / "p"), "--tokens", "100"]
+    )
+    assert result.exit_code == 2 and "two windows of calibration" in result.stderr
+
+
+def test_fit_refuses_an_existing_pack_before_fitting_unless_told_to_overwrite(
+    fitted_pack, model_dirs, text_dir, tmp_path, monkeypatch
+):
+    import shutil
+
+    from sgl_kvmap.fitting import build
+
+    out = tmp_path / "pack"
+    shutil.copytree(fitted_pack[0], out)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "mine.txt").write_text("mine")
+    real_build = build.build_pack
+
+    def never(*args, **kwargs):
+        raise AssertionError("fitted before refusing the destination")
+
+    monkeypatch.setattr(build, "build_pack", never)
+    args = tiny_fit(model_dirs, out, text_dir / "calib") + ["--top-k", "2", "--tune-steps", "0"]
+    assert "--overwrite" in fail_in_one_line(args)
+    args_notes = [*args[:4], str(tmp_path / "notes"), *args[5:]]
+    assert "is not a mapper pack" in fail_in_one_line(args_notes)
+    assert (tmp_path / "notes" / "mine.txt").read_text() == "mine"
+    tune_args = ["tune", str(fitted_pack[0]), "--out", str(out)]
+    assert "--overwrite" in fail_in_one_line(tune_args)
+
+    monkeypatch.setattr(build, "build_pack", real_build)
+    before = (out / "kvmap.json").read_text()
+    succeed([*args, "--overwrite", "--sink-tokens", "2"])
+    assert (out / "kvmap.json").read_text() != before
+    assert json.loads((out / "kvmap.json").read_text())["sink_tokens"] == 2
+
+
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory):
+    """A model folder of another geometry than the fitted pack's source (2 layers)."""
+    return save_loaded(tiny_model("qwen2", seed=3, layers=2), tmp_path_factory.mktemp("other"))
+
+
+def test_a_pack_for_other_models_is_refused_before_any_weight_loads(
+    fitted_pack, other_model, tmp_path, monkeypatch
+):
+    """eval and tune compare the pack's fingerprints with the models' configs and tokenizers:
+    the weight loader is replaced by one that fails, so a load would show."""
+    from sgl_kvmap.models import capture
+
+    def never(*args, **kwargs):
+        raise AssertionError("loaded weights before checking the pair")
+
+    monkeypatch.setattr(capture, "load_model", never)
+    pack = str(fitted_pack[0])
+    line = fail_in_one_line(["eval", pack, "--source", other_model])
+    assert "this pack's source is" in line and "num_layers: 3 vs 2" in line
+    line = fail_in_one_line(["tune", pack, "--out", str(tmp_path / "t"), "--target", other_model])
+    assert "this pack's target is" in line
+
+
+def run_cli(args: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedProcess, float]:
+    """``sgl-kvmap args`` in a fresh process (this checkout's package) and its seconds."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), **env}
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "sgl_kvmap.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return done, time.monotonic() - start
+
+
+@pytest.mark.parametrize("offline", [True, False])
+def test_an_unknown_hub_id_fails_in_one_line_at_once(model_dirs, tmp_path, offline):
+    """Offline, or online where the Hub cannot be reached (or has no such repo), a model given
+    as a Hub id that is not cached is refused in one line within seconds (transformers alone
+    retried the network for about a minute)."""
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1" if offline else "0"}
+    args = ["fit", "sgl-kvmap-tests/no-such-model", model_dirs[1], "--out", str(tmp_path / "p")]
+    done, seconds = run_cli(args, env)
+    assert done.returncode == 1, done.stderr
+    assert done.stdout == "" and len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith("error: sgl-kvmap-tests/no-such-model")
+    assert ("HF_HUB_OFFLINE is set" in done.stderr) == offline
+    assert seconds < 15
+    assert not (tmp_path / "p").exists()

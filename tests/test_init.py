@@ -1,5 +1,6 @@
 """The package: importing it needs neither sglang nor triton, and its layers import downward
-only (core <- models <- fitting <- demo, cli; kernels on core; sglang on core and kernels),
+only (core <- models <- fitting <- demo, cli; kernels on core; sglang on core and kernels;
+the registry, the Hub client, on core),
 with no import cycle, lazy imports inside functions included."""
 
 import ast

@@ -211,3 +211,34 @@ def test_plain_reduced_rank_packs_stay_version_2(reduced_mapper, tmp_path):
         (reduced_mapper.save_pretrained(tmp_path / "plain") / "kvmap.json").read_text()
     )
     assert (config["format_version"], config["residual_hidden"]) == (2, None)
+
+
+def _destinations(root, mapper):
+    """Every kind of destination a save can meet, by name."""
+    (root / "empty").mkdir()
+    (root / "file").write_text("not a pack")
+    (root / "folder").mkdir()
+    (root / "folder" / "notes.txt").write_text("mine")
+    mapper.save_pretrained(root / "pack")
+    mapper.save_pretrained(root / "pack_and_more")
+    (root / "pack_and_more" / "notes.txt").write_text("mine")
+    return ["new", "empty", "file", "folder", "pack", "pack_and_more"]
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_check_destination_refuses_what_saving_refuses(mapper, tmp_path, overwrite):
+    """The early check (`sgl-kvmap fit` runs it before fitting) and the save agree on every
+    destination: a new or empty folder, a pack only with overwrite, nothing else."""
+    writable = {"new", "empty"} | ({"pack"} if overwrite else set())
+    for name in _destinations(tmp_path, mapper):
+        folder = tmp_path / name
+        if name in writable:
+            pack.check_destination(folder, overwrite)
+            mapper.save_pretrained(folder, overwrite=overwrite)
+            continue
+        with pytest.raises(PackError) as early:
+            pack.check_destination(folder, overwrite)
+        with pytest.raises(PackError) as late:
+            mapper.save_pretrained(folder, overwrite=overwrite)
+        assert str(early.value) == str(late.value)  # one rule, one message
+        assert ("--overwrite" in str(early.value)) == (name == "pack")

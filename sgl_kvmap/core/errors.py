@@ -14,4 +14,5 @@ class PackError(KVMapError):
 
 
 class ModelSourceError(KVMapError):
-    """The embedded default model pair could not be fetched, verified or converted."""
+    """A model could not be found, fetched, verified or converted (a folder or Hub id that is
+    neither there nor reachable, or the embedded default pair)."""

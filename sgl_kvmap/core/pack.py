@@ -53,6 +53,7 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "READABLE_VERSIONS",
+    "check_destination",
     "load_pack",
     "save_pack",
     "use_registry",
@@ -107,10 +108,13 @@ def save_pack(mapper, folder: Path, *, overwrite: bool = False) -> Path:
     """Write ``mapper`` to ``folder``. Returns the folder.
 
     A new or empty folder is written; an existing pack is replaced only with ``overwrite``;
-    anything else is refused (PackError). Readers see the whole old pack or the whole new one.
+    anything else is refused (PackError, ``check_destination``). Readers see the whole old pack
+    or the whole new one.
     """
     folder = Path(folder).absolute()
-    with replacing_folder(folder, lambda existing: _may_replace(existing, overwrite)) as staging:
+    with replacing_folder(
+        folder, lambda existing: check_destination(existing, overwrite)
+    ) as staging:
         config = _config(mapper, tensors_sha256="")
         config = json.loads(json.dumps(config, allow_nan=False))  # the values as read back
         data = save(_tensors(mapper), metadata=_metadata(config))
@@ -186,8 +190,14 @@ def _manifest(folder: Path, data: bytes) -> dict[str, Any]:
     return parse_manifest(data, str(folder / CONFIG_FILE))
 
 
-def _may_replace(folder: Path, overwrite: bool) -> None:
-    """Refuse to replace ``folder`` unless it is empty, or a pack and ``overwrite`` is set."""
+def check_destination(folder: Path, overwrite: bool = False) -> None:
+    """Refuse (PackError) a ``folder`` that ``save_pack`` may not write: a symbolic link, one
+    that exists and is neither empty nor a pack, a pack beside other files, or a pack without
+    ``overwrite``. ``save_pack`` applies this rule under its lock; call it early to refuse
+    before long work."""
+    folder = Path(folder)
+    if not (folder.exists() or folder.is_symlink()):
+        return
     if folder.is_symlink():
         raise PackError(
             f"{folder} is a symbolic link; refusing to replace it. Save to the folder it "

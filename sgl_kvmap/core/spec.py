@@ -17,6 +17,7 @@ import torch
 
 from .errors import KVMapError, PairMismatchError
 from .rope import RotaryTables, rotary_module, rotary_tables
+from .sources import model_folder
 
 ROPE_STYLES = ("half", "interleaved")
 # Models whose apply_rotary_pos_emb pairs dimensions (2i, 2i+1) instead of (i, i + r/2).
@@ -80,11 +81,13 @@ class ModelSpec:
 
 
 def spec_from_pretrained(path: str, revision: str | None = None) -> ModelSpec:
-    """Build the spec of the model at ``path`` (folder or Hub id) without loading weights."""
+    """Build the spec of the model at ``path`` (folder or Hub id, ``sources.model_folder``)
+    from its config and tokenizer: no weight is loaded (or, for a Hub id, downloaded)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    config = AutoConfig.from_pretrained(path, revision=revision)
-    tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
+    folder = model_folder(path, revision, weights=False)
+    config = AutoConfig.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
     return spec_from_config(config, tokenizer, model_id=str(path), revision=revision)
 
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from ..core.cache import KVCache
-from ..core.spec import ModelSpec, spec_from_config
+from ..core.sources import model_folder
+from ..core.spec import ModelSpec, check_models, spec_from_config, spec_from_pretrained
 
 _CAPTURE_ATTENTION = "sgl_kvmap_capture"
 _capture_state = threading.local()
@@ -39,14 +40,28 @@ class LoadedModel:
 def load_model(
     path: str, revision: str | None = None, dtype: torch.dtype = torch.float32
 ) -> LoadedModel:
-    """Load a causal LM + tokenizer (folder or Hub id) for inference and describe it."""
+    """Load a causal LM + tokenizer (folder or Hub id, ``sources.model_folder``) for inference
+    and describe it (its spec names it ``path``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
-    model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=dtype)
+    folder = model_folder(path, revision)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     model.eval()
     spec = spec_from_config(model.config, tokenizer, model_id=str(path), revision=revision)
     return LoadedModel(model, tokenizer, spec)
+
+
+def load_models_for(
+    mapper, source: str | None = None, target: str | None = None
+) -> tuple[LoadedModel, LoadedModel]:
+    """Load the source and target of ``mapper`` (a KVMapper; default: the models its pack
+    names), once their configs and tokenizers show they are the models it was fitted for:
+    a wrong model is refused (PairMismatchError) before any weight is loaded."""
+    source = source or mapper.source.model_id
+    target = target or mapper.target.model_id
+    check_models(mapper, spec_from_pretrained(source), spec_from_pretrained(target))
+    return load_model(source), load_model(target)
 
 
 def loaded(model: str | LoadedModel) -> LoadedModel:
