@@ -62,9 +62,9 @@ RESOLVE = (
 class HubError(Exception):
     """An error answer: HTTP status, huggingface_hub's ``X-Error-Code`` and a message."""
 
-    def __init__(self, status: int, code: str | None, message: str):
+    def __init__(self, status: int, code: str | None, message: str, **body):
         super().__init__(message)
-        self.status, self.code, self.message = status, code, message
+        self.status, self.code, self.message, self.body = status, code, message, body
 
 
 def not_found(code: str, what: str) -> HubError:
@@ -251,7 +251,7 @@ class HubHandler(BaseHTTPRequestHandler):
         headers = {"X-Error-Message": error.message}
         if error.code:
             headers["X-Error-Code"] = error.code
-        self.answer({"error": error.message}, error.status, headers)
+        self.answer({"error": error.message, **error.body}, error.status, headers)
 
     def route_args(self, match: re.Match) -> dict:
         args = {k: unquote(v) for k, v in match.groupdict().items() if v is not None}
@@ -316,7 +316,8 @@ class HubHandler(BaseHTTPRequestHandler):
         url = self.repo_url(repo_type, repo_id)
         with self.server.mirrors.lock:
             if self.server.mirrors.path(repo_type, repo_id).exists():
-                raise HubError(409, None, "You already created this repo")
+                # the Hub's 409 names the repo's url, which create_repo(exist_ok=True) returns
+                raise HubError(409, None, "You already created this repo", url=url)
             self.server.mirrors.create(repo_type, repo_id)
         self.answer({"url": url, "name": repo_id, "id": repo_id})
 

@@ -26,7 +26,7 @@ SMALL_RECIPE = PackRecipe(CalibrationConfig(tokens=512, window=64, top_k=1), Non
 @pytest.fixture(scope="module")
 def models(tiny_pair, tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    other = tiny_model("qwen2", seed=3, layers=4, kv_heads=1, head_dim=32)
+    other = tiny_model("qwen2", seed=3, layers=2, kv_heads=1, head_dim=32)  # another geometry
     return {
         "source": save_loaded(tiny_pair[0], root / "source"),
         "target": save_loaded(tiny_pair[1], root / "target"),
@@ -105,3 +105,15 @@ def test_two_processes_resolving_one_pair_build_one_pack(models, caches):
     assert len(folders) == 1
     assert sum("building the pack" in err for _, err in results) == 1
     KVMapper.from_pretrained(folders.pop())
+
+
+def test_a_pin_to_a_commit_refuses_other_weights_with_the_same_configuration(tiny_mapper):
+    """Two commits of one Hub model (a fine-tune, say) share a fingerprint; the commit a pack
+    recorded tells them apart when both are known."""
+    from sgl_kvmap.core.spec import check_models
+
+    pinned = replace(tiny_mapper, target=replace(tiny_mapper.target, revision="a" * 40))
+    check_models(pinned, tiny_mapper.source, replace(tiny_mapper.target, revision="a" * 40))
+    check_models(pinned, tiny_mapper.source, tiny_mapper.target)  # a local folder: no commit
+    with pytest.raises(PairMismatchError, match="at commit a{40} but .* at commit b{40}"):
+        check_models(pinned, tiny_mapper.source, replace(tiny_mapper.target, revision="b" * 40))

@@ -137,7 +137,8 @@ def check_pair(source: ModelSpec, target: ModelSpec) -> None:
 
 def check_models(mapper, source: ModelSpec, target: ModelSpec) -> None:
     """Refuse to use ``mapper`` (a KVMapper: its ``source`` and ``target`` specs) with models
-    other than the ones it was fitted for."""
+    other than the ones it was fitted for: another configuration or tokenizer (fingerprint), or,
+    where both commits are known (models from the Hub), another commit."""
     for role, fitted, given in (
         ("source", mapper.source, source),
         ("target", mapper.target, target),
@@ -147,6 +148,12 @@ def check_models(mapper, source: ModelSpec, target: ModelSpec) -> None:
             raise PairMismatchError(
                 f"this pack's {role} is {fitted.model_id} but {given.model_id} was given ({diff}); "
                 "fit a pack for this pair with `sgl-kvmap fit`."
+            )
+        if fitted.revision and given.revision and fitted.revision != given.revision:
+            raise PairMismatchError(
+                f"this pack's {role} is {fitted.model_id} at commit {fitted.revision} but "
+                f"{given.model_id} at commit {given.revision} was given (same configuration, "
+                "other weights); fit a pack for this pair with `sgl-kvmap fit`."
             )
 
 
