@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shlex
+import sys
 import traceback
 from dataclasses import replace
 from pathlib import Path
@@ -224,6 +226,11 @@ def _objective_option(flag: str, tuning: TuneConfig):
     )
 
 
+def _command_line() -> str:
+    """This process's command line, as the pack's card records what measured its figures."""
+    return shlex.join(["sgl-kvmap", *sys.argv[1:]])
+
+
 def _pack_folder(pack: str) -> str:
     """A local pack folder for ``pack``: the folder itself, or a Hub pack fetched at one commit
     (REPO_ID or REPO_ID@REVISION)."""
@@ -401,6 +408,7 @@ def fit(
     recipe = PackRecipe(calibration_config, tuning)
     check_destination(out, overwrite)  # before the fit's minutes, not after
     mapper, summary = build_pack(source, target, list(calibration) or None, recipe)
+    mapper.info["metrics"]["command"] = _command_line()
     mapper.save_pretrained(out, overwrite=overwrite)
     click.echo(json.dumps(summary, indent=2))
     click.echo(f"pack written to {out}")
@@ -521,6 +529,7 @@ def tune(
     mapper = KVMapper.from_pretrained(pack)
     source, target = load_models_for(mapper, source_path, target_path)
     tuned, report = tune_mapper(mapper, source, target, list(calibration) or None, config)
+    tuned.info["metrics"]["command"] = _command_line()
     tuned.save_pretrained(out, overwrite=overwrite)
     click.echo(json.dumps({**report.summary(), "curve": report.curve}, indent=2))
     click.echo(f"pack written to {out}")

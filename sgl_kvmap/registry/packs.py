@@ -74,7 +74,9 @@ def fetch_pack(
         "library_name": LIBRARY_NAME,
     }
     try:
-        head = Path(snapshot_download(revision=revision, allow_patterns=[CONFIG_FILE], **common))
+        head = Path(
+            snapshot_download(revision=revision or "main", allow_patterns=[CONFIG_FILE], **common)
+        )
         commit = head.name  # a snapshot folder is named after its commit
         parse_manifest((head / CONFIG_FILE).read_bytes(), f"{repo_id}@{commit}/{CONFIG_FILE}")
         folder = snapshot_download(revision=commit, allow_patterns=sorted(PACK_FILES), **common)
