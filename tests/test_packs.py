@@ -213,3 +213,15 @@ def test_the_command_line_round_trip(hub, pack, tmp_path):
     offline = run_cli(hub, tmp_path, "pull", hub.new_repo_id("missing"))
     assert offline.returncode == 1 and offline.stderr.startswith("error: ")
     assert len(offline.stderr.strip().splitlines()) == 1
+
+
+def test_sglang_args_takes_a_hub_pack_at_one_commit(hub, online, model_folders, tmp_path):
+    """The launch command names the pack's snapshot folder at the commit the tag resolved to,
+    so what the engines load is what was verified."""
+    pack = built(model_folders, "source", "target", tmp_path / "built")
+    repo_id = hub.new_repo_id("served")
+    commit = push_pack(pack, repo_id, tag="v1", token=hub.token)
+    engines = ["--engine", model_folders["source"], "--engine", model_folders["target"]]
+    done = run_cli(hub, tmp_path / "home", "sglang-args", *engines, "--pack", f"{repo_id}@v1")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"snapshots/{commit}" in done.stdout
