@@ -12,6 +12,7 @@ from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from ..core.pack import is_repo_id
 from .naming import LIBRARY_TAG, pack_tags
 
 CARD_KEY = "kvmap"  # the card metadata block this library writes and reads
@@ -25,8 +26,9 @@ def card_data(config: dict[str, Any]) -> ModelCardData:
         tags=pack_tags(
             target["model_type"], config["source_fingerprint"], config["target_fingerprint"]
         ),
-        base_model=target["model_id"],
-        base_model_relation="adapter",
+        # the Hub accepts only a repo id here; a pack fitted from local folders names none
+        base_model=target["model_id"] if is_repo_id(target["model_id"]) else None,
+        base_model_relation="adapter" if is_repo_id(target["model_id"]) else None,
         **{
             CARD_KEY: {
                 "format_version": config["format_version"],
