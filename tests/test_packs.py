@@ -226,3 +226,25 @@ def test_sglang_args_takes_a_hub_pack_at_one_commit(hub, online, model_folders, 
     done = run_cli(hub, tmp_path / "home", "sglang-args", *engines, "--pack", f"{repo_id}@v1")
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"snapshots/{commit}" in done.stdout
+
+
+SPEC_OF = """
+import sys
+from sgl_kvmap.core.spec import spec_from_pretrained
+spec = spec_from_pretrained(sys.argv[1])
+print(spec.model_id, spec.revision)
+"""
+
+
+def test_a_hub_model_is_pinned_by_the_commit_it_resolved_to(hub, model_folders, tmp_path):
+    """A model given by Hub id: its spec (what a pack records) names the id and the commit."""
+    repo_id = hub.new_repo_id("model")
+    api = hub.api()
+    api.create_repo(repo_id)
+    commit = api.upload_folder(repo_id=repo_id, folder_path=model_folders["source"]).oid
+    env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", SPEC_OF, repo_id], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-2:] == [repo_id, commit]

@@ -11,6 +11,7 @@ import functools
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -88,7 +89,15 @@ def spec_from_pretrained(path: str, revision: str | None = None) -> ModelSpec:
     folder = model_folder(path, revision, weights=False)
     config = AutoConfig.from_pretrained(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    return spec_from_config(config, tokenizer, model_id=str(path), revision=revision)
+    return spec_from_config(config, tokenizer, str(path), commit_of(folder) or revision)
+
+
+def commit_of(folder: str | Path) -> str | None:
+    """The commit of a model folder that is a snapshot in the Hugging Face cache (None for any
+    other folder), so a pack pins the exact model it was fitted for."""
+    from transformers.utils import extract_commit_hash
+
+    return extract_commit_hash(str(Path(folder) / "config.json"), None)
 
 
 def spec_from_config(config, tokenizer, model_id: str, revision: str | None = None) -> ModelSpec:

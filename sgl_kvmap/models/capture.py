@@ -14,7 +14,13 @@ import torch
 
 from ..core.cache import KVCache
 from ..core.sources import model_folder
-from ..core.spec import ModelSpec, check_models, spec_from_config, spec_from_pretrained
+from ..core.spec import (
+    ModelSpec,
+    check_models,
+    commit_of,
+    spec_from_config,
+    spec_from_pretrained,
+)
 
 _CAPTURE_ATTENTION = "sgl_kvmap_capture"
 _capture_state = threading.local()
@@ -48,7 +54,7 @@ def load_model(
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     model.eval()
-    spec = spec_from_config(model.config, tokenizer, model_id=str(path), revision=revision)
+    spec = spec_from_config(model.config, tokenizer, str(path), commit_of(folder) or revision)
     return LoadedModel(model, tokenizer, spec)
 
 
