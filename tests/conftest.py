@@ -120,6 +120,19 @@ def text_dir(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="session")
+def model_folders(tiny_pair, tmp_path_factory) -> dict[str, str]:
+    """The tiny pair saved as model folders ("source", "target"), and "other": a model of
+    another geometry with the same tokenizer."""
+    root = tmp_path_factory.mktemp("models")
+    other = tiny_model("qwen2", seed=3, layers=2, kv_heads=1, head_dim=32)
+    return {
+        "source": save_loaded(tiny_pair[0], root / "source"),
+        "target": save_loaded(tiny_pair[1], root / "target"),
+        "other": save_loaded(other, root / "other"),
+    }
+
+
 def save_loaded(loaded: LoadedModel, folder) -> str:
     loaded.model.save_pretrained(folder)
     loaded.tokenizer.save_pretrained(folder)

@@ -24,7 +24,6 @@ from sgl_kvmap.registry.naming import repo_name
 from sgl_kvmap.registry.packs import cached_packs, fetch_pack, hub_packs, push_pack
 from sgl_kvmap.registry.resolve import resolve_pack
 
-from .conftest import save_loaded, tiny_model
 from .test_resolve import SMALL_RECIPE
 
 
@@ -135,17 +134,6 @@ def test_an_unknown_repo_or_revision_is_one_clear_error(hub, online, pack):
     push_pack(pack, repo_id, token=hub.token)
     with pytest.raises(PackError, match="no such pack on the Hub"):
         fetch_pack(repo_id, revision="no-such-branch", cache_dir=online)
-
-
-@pytest.fixture(scope="module")
-def model_folders(tiny_pair, tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    other = tiny_model("qwen2", seed=3, layers=2, kv_heads=1, head_dim=32)  # another geometry
-    return {
-        "source": save_loaded(tiny_pair[0], root / "source"),
-        "target": save_loaded(tiny_pair[1], root / "target"),
-        "other": save_loaded(other, root / "other"),
-    }
 
 
 def conventional_id(hub, source: str, target: str) -> str:

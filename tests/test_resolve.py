@@ -18,20 +18,7 @@ from sgl_kvmap.core.spec import spec_from_pretrained
 from sgl_kvmap.fitting.config import CalibrationConfig, PackRecipe
 from sgl_kvmap.registry.resolve import built_packs, check_pins, resolve_pack
 
-from .conftest import save_loaded, tiny_model
-
 SMALL_RECIPE = PackRecipe(CalibrationConfig(tokens=512, window=64, top_k=1), None)
-
-
-@pytest.fixture(scope="module")
-def models(tiny_pair, tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    other = tiny_model("qwen2", seed=3, layers=2, kv_heads=1, head_dim=32)  # another geometry
-    return {
-        "source": save_loaded(tiny_pair[0], root / "source"),
-        "target": save_loaded(tiny_pair[1], root / "target"),
-        "other": save_loaded(other, root / "other"),
-    }
 
 
 @pytest.fixture
@@ -39,35 +26,44 @@ def caches(tmp_path):
     return {"cache_dir": tmp_path / "hub", "assets_dir": tmp_path / "assets"}
 
 
-def test_an_offline_miss_says_how_to_get_the_pack(models, caches):
+def test_an_offline_miss_says_how_to_get_the_pack(model_folders, caches):
     with pytest.raises(PackError) as err:
-        resolve_pack(models["source"], models["target"], local_files_only=True, **caches)
+        resolve_pack(
+            model_folders["source"], model_folders["target"], local_files_only=True, **caches
+        )
     message = str(err.value)
     assert "no mapper pack" in message and "in the local cache" in message
     assert "sgl-kvmap pull" in message and "--build" in message
 
 
-def test_a_pack_is_built_once_then_found(models, caches):
+def test_a_pack_is_built_once_then_found(model_folders, caches):
     built = resolve_pack(
-        models["source"], models["target"], build=True, local_files_only=True,
+        model_folders["source"], model_folders["target"], build=True, local_files_only=True,
         recipe=SMALL_RECIPE, **caches,
     )  # fmt: skip
     mapper = KVMapper.from_pretrained(built)
-    assert mapper.source.fingerprint == spec_from_pretrained(models["source"]).fingerprint
-    again = resolve_pack(models["source"], models["target"], local_files_only=True, **caches)
+    assert mapper.source.fingerprint == spec_from_pretrained(model_folders["source"]).fingerprint
+    again = resolve_pack(
+        model_folders["source"], model_folders["target"], local_files_only=True, **caches
+    )
     assert again == built
     assert [e.where for e in built_packs(caches["assets_dir"])] == [str(built)]
     # another target: not this pack
     with pytest.raises(PackError, match="no mapper pack"):
-        resolve_pack(models["source"], models["other"], local_files_only=True, **caches)
+        resolve_pack(
+            model_folders["source"], model_folders["other"], local_files_only=True, **caches
+        )
 
 
-def test_pins_refuse_other_models_unless_told(models, caches, caplog):
+def test_pins_refuse_other_models_unless_told(model_folders, caches, caplog):
     built = resolve_pack(
-        models["source"], models["target"], build=True, local_files_only=True,
+        model_folders["source"], model_folders["target"], build=True, local_files_only=True,
         recipe=SMALL_RECIPE, **caches,
     )  # fmt: skip
-    specs = spec_from_pretrained(models["source"]), spec_from_pretrained(models["other"])
+    specs = (
+        spec_from_pretrained(model_folders["source"]),
+        spec_from_pretrained(model_folders["other"]),
+    )
     wrong_weights_same_shape = replace(specs[1], config={**specs[1].config, "rope_theta": 1.0})
     with pytest.raises(PairMismatchError, match="target"):
         check_pins(built, (specs[0], wrong_weights_same_shape))
@@ -88,8 +84,8 @@ print(json.dumps(str(folder)))
 """
 
 
-def test_two_processes_resolving_one_pair_build_one_pack(models, caches):
-    argv = [sys.executable, "-c", BUILD, models["source"], models["target"]]
+def test_two_processes_resolving_one_pair_build_one_pack(model_folders, caches):
+    argv = [sys.executable, "-c", BUILD, model_folders["source"], model_folders["target"]]
     procs = [
         subprocess.Popen(
             [*argv, str(caches["assets_dir"])],

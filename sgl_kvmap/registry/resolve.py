@@ -33,34 +33,11 @@ NAMESPACE_ENV = "SGL_KVMAP_HUB_NAMESPACE"
 DEFAULT_NAMESPACE = "sgl-kvmap"  # where published packs are looked for by conventional name
 
 
-def resolve_mapper(
-    source: str,
-    target: str,
-    *,
-    build: bool = False,
-    local_files_only: bool = False,
-    allow_mismatch: bool = False,
-    namespace: str | None = None,
-    cache_dir: str | Path | None = None,
-    assets_dir: str | Path | None = None,
-    token: str | bool | None = None,
-    recipe: PackRecipe = PackRecipe(),
-) -> KVMapper:
-    """The checked mapper for ``source`` -> ``target`` (model folders or Hub ids); see the
-    module docstring for where it comes from. Raises PackError when there is none."""
-    folder = resolve_pack(
-        source,
-        target,
-        build=build,
-        local_files_only=local_files_only,
-        allow_mismatch=allow_mismatch,
-        namespace=namespace,
-        cache_dir=cache_dir,
-        assets_dir=assets_dir,
-        token=token,
-        recipe=recipe,
-    )
-    return KVMapper.from_pretrained(folder)
+def resolve_mapper(source: str, target: str, **options) -> KVMapper:
+    """The checked mapper for ``source`` -> ``target`` (model folders or Hub ids); ``options``
+    as ``resolve_pack`` takes them (``build``, ``local_files_only``, ``allow_mismatch``, ...).
+    See the module docstring for where it comes from. Raises PackError when there is none."""
+    return KVMapper.from_pretrained(resolve_pack(source, target, **options))
 
 
 def resolve_pack(
