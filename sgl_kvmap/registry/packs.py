@@ -151,7 +151,7 @@ def cached_packs(cache_dir: str | Path | None = None) -> list[PackEntry]:
             continue
         for cached in repo.revisions:
             if (cached.snapshot_path / CONFIG_FILE).is_file():
-                entry = _entry(repo.repo_id, cached.commit_hash, cached.snapshot_path)
+                entry = entry_of(repo.repo_id, cached.commit_hash, cached.snapshot_path)
                 entries += [entry] if entry else []
     return entries
 
@@ -194,7 +194,8 @@ class HubRegistry:
         return push_pack(folder, repo_id, **options)
 
 
-def _entry(repo_id: str, commit: str | None, folder: Path) -> PackEntry | None:
+def entry_of(repo_id: str, commit: str | None, folder: Path) -> PackEntry | None:
+    """The PackEntry of the pack at ``folder`` (None, logged, when it is not a valid pack)."""
     try:
         config = read_config(folder)
     except PackError as err:

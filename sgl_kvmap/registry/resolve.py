@@ -20,12 +20,12 @@ from huggingface_hub.utils import WeakFileLock
 
 from ..core.errors import PackError, PairMismatchError
 from ..core.mapper import KVMapper
-from ..core.pack import is_pack, read_config
+from ..core.pack import is_pack
 from ..core.spec import ModelSpec, check_models, check_pair, spec_from_pretrained
 from ..fitting.build import build_pack
 from ..fitting.config import PackRecipe
 from .naming import repo_name
-from .packs import PackEntry, cached_packs, fetch_pack, hub_packs
+from .packs import PackEntry, cached_packs, entry_of, fetch_pack, hub_packs
 
 log = logging.getLogger(__name__)
 
@@ -100,22 +100,8 @@ def built_packs(assets_dir: str | Path | None = None) -> list[PackEntry]:
         library_name="sgl-kvmap", namespace="built", assets_dir=assets_dir
     )  # huggingface_hub names a folder per pair inside the namespace folder
     root = some_pair.parent
-    entries = []
-    for folder in sorted(root.glob("*/pack")):
-        if is_pack(folder):
-            config = read_config(folder)
-            entries.append(
-                PackEntry(
-                    folder.parent.name,
-                    None,
-                    config["source"]["model_id"],
-                    config["target"]["model_id"],
-                    config["source_fingerprint"],
-                    config["target_fingerprint"],
-                    str(folder),
-                )
-            )
-    return entries
+    found = (entry_of(f.parent.name, None, f) for f in sorted(root.glob("*/pack")) if is_pack(f))
+    return [entry for entry in found if entry is not None]
 
 
 def build_missing(
