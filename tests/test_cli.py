@@ -300,8 +300,11 @@ def test_without_options_fit_and_demo_run_the_library_defaults(model_dirs, tmp_p
     seen = {}
 
     class Unsaved:
+        info = {"metrics": {}}
+
         def save_pretrained(self, out, overwrite):
             seen["out"] = out
+            seen["command"] = self.info["metrics"]["command"]
 
     def build_pack(source, target, calibration, recipe):
         seen["recipe"] = recipe
@@ -315,6 +318,7 @@ def test_without_options_fit_and_demo_run_the_library_defaults(model_dirs, tmp_p
     monkeypatch.setattr(demo, "run_demo", run_demo)
     succeed(["fit", *model_dirs, "--out", str(tmp_path / "pack")])
     assert seen["recipe"] == PackRecipe()
+    assert seen["command"].startswith("sgl-kvmap ")  # this process's command line, for the card
     assert succeed(["demo"]).output == "table\n"
     assert seen["demo"] == DemoConfig()
 
