@@ -12,7 +12,6 @@ import json
 import logging
 import math
 import shlex
-import sys
 import traceback
 from dataclasses import replace
 from pathlib import Path
@@ -54,6 +53,13 @@ class LibraryError(click.ClickException):
 class OneLineErrors(click.Group):
     """A group whose commands report a KVMapError or OSError as a LibraryError (one line,
     exit 1); with the group's ``--verbose`` the traceback is printed above it."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        """Keep the arguments as given (``ctx.meta["argv"]``), for the card's command line."""
+        given = list(args)
+        ctx = super().make_context(info_name, args, parent=parent, **extra)
+        ctx.meta.setdefault("argv", given)
+        return ctx
 
     def invoke(self, ctx: click.Context):
         try:
@@ -227,8 +233,9 @@ def _objective_option(flag: str, tuning: TuneConfig):
 
 
 def _command_line() -> str:
-    """This process's command line, as the pack's card records what measured its figures."""
-    return shlex.join(["sgl-kvmap", *sys.argv[1:]])
+    """The command line this run was given (as click parsed it, whatever the process's own
+    ``sys.argv``), as the pack's card records what measured its figures."""
+    return shlex.join(["sgl-kvmap", *click.get_current_context().meta["argv"]])
 
 
 def _pack_folder(pack: str) -> str:
