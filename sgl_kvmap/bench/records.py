@@ -1,0 +1,74 @@
+"""What the benchmark measures for one request: ``RequestRecord``, one line of the run's JSONL.
+
+Tiers (where a prompt token's KV came from), in the order a server looks:
+``device`` (the engine's radix tree on the accelerator), ``host`` (its HiCache host pool),
+``storage`` (pages the engine itself wrote to the shared store), ``translated`` (pages another
+model wrote, translated by sgl-kvmap) and ``computed`` (prefilled by the engine).
+For every record ``sum(reused.values()) + computed == prompt_tokens``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+TIERS = ("device", "host", "storage", "translated")
+MODES = ("reprefill", "translated", "tail")  # how a swapped request's prefix is served
+MODE_TITLES = {
+    "reprefill": "re-prefill (HiCache, no packs)",
+    "translated": "translated",
+    "tail": "translated + tail",
+}
+REFERENCE_MODE = "reprefill"  # the target on its own cache: the quality reference
+
+
+@dataclass
+class Quality:
+    """A swapped request's answer against the re-prefill answer to the same prompt.
+
+    agreement: the fraction of the first ``tokens`` greedy answer tokens equal to re-prefill's;
+    nll: the teacher-forced mean negative log-likelihood (nats/token) of re-prefill's greedy
+    answer under this mode's cache; reference_nll: the same under re-prefill's own cache."""
+
+    tokens: int
+    agreement: float
+    nll: float
+    reference_nll: float
+
+
+@dataclass
+class RequestRecord:
+    """One request of one replay (one routing policy, one mode)."""
+
+    policy: str
+    mode: str
+    request: int  # index in the replayed slice, arrival order
+    session: int
+    turn: int  # 0 for a session's first request
+    model: str  # the engine that served it ("small" or "large")
+    swapped: bool  # served by another model than the session's previous turn
+    prompt_tokens: int
+    ideal_reuse_tokens: int  # what an oracle cache shared by both models could reuse
+    reused: dict[str, int]  # tokens per tier (TIERS)
+    computed: int  # tokens prefilled by the engine
+    fallbacks: dict[str, int] = field(default_factory=dict)  # untranslated pages, by reason
+    ttft_s: float = 0.0  # prefetch + load-back + prefill + the first token
+    quality: Quality | None = None  # swapped requests in a translating mode
+
+    def __post_init__(self):
+        if set(self.reused) != set(TIERS):
+            raise ValueError(
+                f"reused must count exactly the tiers {TIERS}, got {sorted(self.reused)}"
+            )
+        if sum(self.reused.values()) + self.computed != self.prompt_tokens:
+            raise ValueError(
+                f"request {self.request}: tiers {self.reused} + computed {self.computed} "
+                f"!= prompt {self.prompt_tokens}"
+            )
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> RequestRecord:
+        quality = data.get("quality")
+        return cls(**{**data, "quality": Quality(**quality) if quality else None})
