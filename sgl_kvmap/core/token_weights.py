@@ -37,8 +37,9 @@ def attention_paid(queries: list[torch.Tensor], keys: list[torch.Tensor]) -> tor
     if not queries or len(queries) != len(keys):
         raise KVMapError(f"need one query and key tensor per layer, got {len(queries)}/{len(keys)}")
     n, total = queries[0].shape[0], keys[0].shape[0]
-    causal = torch.ones(n, total, dtype=torch.bool).tril(total - n)
-    paid = torch.zeros(total)
+    device = queries[0].device
+    causal = torch.ones(n, total, dtype=torch.bool, device=device).tril(total - n)
+    paid = torch.zeros(total, device=device)
     for q, k in zip(queries, keys):
         heads, kv_heads = q.shape[1], k.shape[1]
         if heads % kv_heads:
@@ -47,7 +48,7 @@ def attention_paid(queries: list[torch.Tensor], keys: list[torch.Tensor]) -> tor
         scores = torch.einsum("ihd,jhd->hij", q.float(), k) / q.shape[-1] ** 0.5
         probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)  # [heads, n, T]
         paid += probs.sum(1).mean(0)
-    return paid / len(queries)
+    return (paid / len(queries)).cpu()
 
 
 def token_weights(received: torch.Tensor, power: float) -> torch.Tensor:
