@@ -11,8 +11,9 @@
 #    pair's geometry, both directions, 512 / 2,048 / 8,192 tokens -> OUT_DIR/kernel_speed.json,
 #    with what a hand-off repair adds on the GPU: the source's draft, serial vs parallel
 #    (Repair.sweeps), and the target's hand-off forward over 0 / 112 / 240 anchors + tail.
-# Needs torch, triton, transformers, safetensors, click, tqdm and pytest (a CUDA image of
-# PyTorch has them); sgl-kvmap runs from this checkout, nothing is installed. The SGLang
+# Needs torch, triton, transformers, safetensors, click, tqdm, pytest and jsonschema (a CUDA image of
+# PyTorch has all but jsonschema: install it, or carry its wheels and `pip install --target`);
+# sgl-kvmap runs from this checkout, nothing is installed. The SGLang
 # end-to-end check is separate: benchmarks/sglang_e2e.sh (it needs the models and SGLang).
 set -euo pipefail
 cd "$(dirname "$0")/.."
