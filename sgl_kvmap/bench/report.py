@@ -108,7 +108,9 @@ def paired_with_reference(
 ) -> list[tuple[RequestRecord, RequestRecord]]:
     """(this replay's record, re-prefill's record) of each request swapped in both replays."""
     by_request = {record.request: record for record in reference or [] if record.swapped}
-    return [(record, by_request[record.request]) for record in swapped if record.request in by_request]
+    return [
+        (record, by_request[record.request]) for record in swapped if record.request in by_request
+    ]
 
 
 def prefill_saved(pairs: list[tuple[RequestRecord, RequestRecord]]) -> float | None:
@@ -241,8 +243,14 @@ def swapped_cells(row: dict) -> list[str]:
         percent(row["prefill_saved"]),
         milliseconds(row["ttft_median_s"]),
         milliseconds(row["ttft_mean_s"]),
-        with_interval(row["ttft_ratio"], row["ttft_ratio_ci"]),
+        ttft_ratio_cell(row),
     ]
+
+
+def ttft_ratio_cell(row: dict) -> str:
+    if row["mode"] == REFERENCE_MODE and row["ttft_ratio"] is not None:
+        return "1 (reference)"
+    return with_interval(row["ttft_ratio"], row["ttft_ratio_ci"])
 
 
 def quality_table(rows: list[dict]) -> str:
@@ -457,9 +465,10 @@ def draw_ttft_cdf(axes, policy: str, replays: Replays) -> None:
         ttft_ms = np.sort([record.ttft_s * 1000 for record in swapped_of(replay)])
         if replay_policy != policy or not len(ttft_ms):
             continue
-        fraction = np.arange(1, len(ttft_ms) + 1) / len(ttft_ms)
+        fraction = np.arange(len(ttft_ms) + 1) / len(ttft_ms)
         label = f"{mode_title(mode)} (median {np.median(ttft_ms):.0f} ms)"
-        axes.step(ttft_ms, fraction, where="post", color=mode_color(mode), label=label)
+        x = np.concatenate([ttft_ms[:1], ttft_ms])  # the CDF rises from 0 at the fastest
+        axes.step(x, fraction, where="post", color=mode_color(mode), label=label)
     axes.set(title=f"policy {policy}", xlabel="time to first token (ms)")
     axes.set(ylabel="fraction of swapped requests", ylim=(0, 1.02))
     axes.grid(alpha=0.3)
@@ -469,14 +478,16 @@ def draw_ttft_cdf(axes, policy: str, replays: Replays) -> None:
 def prefill_tokens_figure(replays: Replays, header: dict):
     """Prefill tokens of each (policy, mode) replay, stacked by tier: all requests above,
     swapped requests below."""
-    width = max(6.0, 0.6 * len(replays) + 2.0)
+    width = max(8.0, 0.9 * len(replays) + 3.0)
     figure, (everything, swapped) = new_figure(2, columns=1, panel_size=(width, 3.6))
     positions = bar_positions(list(replays))
     draw_prefill_bars(everything, replays, positions, lambda replay: replay)
     draw_prefill_bars(swapped, replays, positions, swapped_of)
     everything.set_title("all requests")
     swapped.set_title("swapped requests")
-    everything.legend(title="prompt tokens from", fontsize="small", loc="upper left")
+    everything.legend(
+        title="prompt tokens from", fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1)
+    )
     return figure
 
 
@@ -501,7 +512,7 @@ def draw_prefill_bars(axes, replays: Replays, positions: list[float], pick) -> N
     for x, height in zip(positions, bottom):
         if not height:
             axes.text(x, 0, "no swaps", rotation=90, ha="center", va="bottom", color="gray")
-    labels = [f"{policy}\n{mode_title(mode)}" for policy, mode in replays]
+    labels = [f"{mode}\n{policy}" for policy, mode in replays]
     axes.set_xticks(positions, labels, fontsize="small")
     axes.set_ylabel("prompt tokens")
     axes.yaxis.set_major_formatter(EngFormatter())
@@ -557,7 +568,7 @@ def binned_medians(x: np.ndarray, y: np.ndarray, bins: int = 8) -> tuple[np.ndar
 
 def quality_figure(replays: Replays, header: dict):
     """Greedy agreement and NLL increase of each judged swapped request against the tokens it
-    recomputed, a colour per translating mode (policies pooled)."""
+    recomputed, a colour per translating mode (policies pooled), an X at each mode's mean."""
     figure, (agreement, nll) = new_figure(2, columns=2, panel_size=(5.5, 4.2))
     judged = judged_by_mode(replays)
     for panel in (agreement, nll):
@@ -586,16 +597,22 @@ def judged_by_mode(replays: Replays) -> dict[str, list[RequestRecord]]:
 def draw_quality(agreement, nll, mode: str, records: list[RequestRecord]) -> None:
     computed = [record.computed for record in records]
     style = {"s": 16, "alpha": 0.5, "color": mode_color(mode), "label": mode_title(mode)}
-    agreement.scatter(computed, [record.quality.agreement for record in records], **style)
+    agreement.scatter(computed, agreement_of(records), **style)
     increase = [record.quality.nll - record.quality.reference_nll for record in records]
     nll.scatter(computed, increase, **style)
+    mean = {"marker": "X", "s": 140, "color": mode_color(mode), "edgecolors": "black"}
+    agreement.scatter(np.mean(computed), np.mean(agreement_of(records)), **mean)
+    nll.scatter(np.mean(computed), np.mean(increase), **mean)
+
+
+def agreement_of(records: list[RequestRecord]) -> list[float]:
+    return [record.quality.agreement for record in records]
 
 
 def finish_quality_panel(axes, judged: bool) -> None:
     if not judged:
         return
-    axes.set_xscale("symlog", linthresh=1)
-    axes.set_xlabel("tokens recomputed (prefilled by the target)")
+    axes.set_xlabel("tokens recomputed (prefilled by the target); X: mean of the mode")
     axes.grid(alpha=0.3)
     axes.legend(fontsize="small")
 
