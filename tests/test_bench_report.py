@@ -1,0 +1,272 @@
+"""The report of ``sgl-kvmap bench`` on hand-built records: summary numbers against hand
+computation, the markdown, the four figures, and the records' JSON round trip."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from sgl_kvmap.bench.records import Quality, RequestRecord
+from sgl_kvmap.bench.report import (
+    DASH,
+    FIGURES,
+    INSTALL_HINT,
+    SUMMARY_FILE,
+    summarize,
+    summary_markdown,
+    write_report,
+)
+
+HEADER = {
+    "command": "sgl-kvmap bench --trace chat.jsonl --scale 0.1",
+    "pair": "small -> large (Qwen2.5-Coder 0.5B -> 1.5B)",
+    "trace": "chat.jsonl",
+    "scale": 0.1,
+    "requests": 4,
+    "sessions": 1,
+    "page_size": 16,
+    "date": "2025-01-02",
+    "machine": "1x H200",
+}
+PROMPTS = [50, 120, 220, 330]  # request 0 opens the session, 1..3 are swapped
+IDEAL = [0, 100, 200, 300]
+
+
+def record(policy, mode, request, *, swapped, ttft, computed, quality=None, **reused):
+    tiers = {"device": 0, "host": 0, "storage": 0, "translated": 0, **reused}
+    assert sum(tiers.values()) + computed == PROMPTS[request]
+    return RequestRecord(
+        policy=policy,
+        mode=mode,
+        request=request,
+        session=0,
+        turn=request,
+        model="large" if request % 2 else "small",
+        swapped=swapped,
+        prompt_tokens=PROMPTS[request],
+        ideal_reuse_tokens=IDEAL[request],
+        reused=tiers,
+        computed=computed,
+        ttft_s=ttft,
+        quality=quality,
+    )
+
+
+def quality(agreement, nll, reference_nll=1.0):
+    return Quality(tokens=32, agreement=agreement, nll=nll, reference_nll=reference_nll)
+
+
+def alternate(mode, swapped_rows):
+    """Policy "alternate": request 0 unswapped (computed), requests 1..3 from ``swapped_rows``
+    of (ttft, computed, {tier: tokens}, quality)."""
+    first = record("alternate", mode, 0, swapped=False, ttft=0.05, computed=50)
+    rows = [
+        record("alternate", mode, index, swapped=True, ttft=ttft, computed=c, quality=q, **tiers)
+        for index, (ttft, c, tiers, q) in enumerate(swapped_rows, start=1)
+    ]
+    return [first, *rows]
+
+
+REPREFILL = alternate(
+    "reprefill",
+    [
+        (0.10, 100, {"storage": 20}, None),
+        (0.20, 200, {"storage": 20}, None),
+        (0.30, 300, {"storage": 30}, None),
+    ],
+)
+TRANSLATED = alternate(
+    "translated",
+    [
+        (0.04, 20, {"translated": 100}, quality(1.0, 1.0)),
+        (0.08, 40, {"translated": 180}, quality(0.5, 1.2)),
+        (0.15, 30, {"translated": 300}, quality(0.75, 1.1)),
+    ],
+)
+TAIL = alternate(
+    "tail",
+    [
+        (0.05, 36, {"translated": 84}, quality(1.0, 1.0)),
+        (0.10, 56, {"translated": 164}, quality(1.0, 1.0)),
+        (0.14, 46, {"translated": 284}, quality(0.5, 1.3)),
+    ],
+)
+STICKY = [
+    record("sticky", "reprefill", 0, swapped=False, ttft=0.05, computed=50),
+    record("sticky", "reprefill", 1, swapped=False, ttft=0.03, computed=70, device=50),
+    record("sticky", "reprefill", 2, swapped=False, ttft=0.04, computed=100, device=120),
+]
+ONE_SWAP = [  # a policy replayed only translated: nothing to compare with
+    record("swap-0.25", "translated", 0, swapped=False, ttft=0.05, computed=50),
+    record(
+        "swap-0.25",
+        "translated",
+        1,
+        swapped=True,
+        ttft=0.06,
+        computed=20,
+        translated=100,
+        quality=quality(0.9, 1.4),
+    ),
+]
+RECORDS = [*STICKY, *TAIL, *REPREFILL, *ONE_SWAP, *TRANSLATED]
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return {(row["policy"], row["mode"]): row for row in summarize(RECORDS)}
+
+
+def test_rows_come_one_per_replay_in_report_order():
+    keys = [(row["policy"], row["mode"]) for row in summarize(RECORDS)]
+    assert keys == [
+        ("sticky", "reprefill"),
+        ("alternate", "reprefill"),
+        ("alternate", "translated"),
+        ("alternate", "tail"),
+        ("swap-0.25", "translated"),
+    ]
+
+
+def test_swapped_token_counts(rows):
+    row = rows["alternate", "translated"]
+    assert (row["requests"], row["swapped"]) == (4, 3)
+    assert row["swapped_tokens"] == {
+        "prompt_tokens": 120 + 220 + 330,
+        "ideal_reuse_tokens": 600,
+        "reused": {"device": 0, "host": 0, "storage": 0, "translated": 580},
+        "computed": 90,
+    }
+    assert row["all_tokens"]["computed"] == 140
+    assert row["all_tokens"]["prompt_tokens"] == 720
+
+
+def test_prefill_saved_against_the_policys_reprefill(rows):
+    assert rows["alternate", "translated"]["prefill_saved"] == pytest.approx(1 - 90 / 600)
+    assert rows["alternate", "tail"]["prefill_saved"] == pytest.approx(1 - 138 / 600)
+    assert rows["alternate", "reprefill"]["prefill_saved"] == pytest.approx(0.0)
+
+
+def test_ttft_ratio_is_the_ratio_of_medians(rows):
+    translated = rows["alternate", "translated"]
+    assert translated["ttft_median_s"] == pytest.approx(0.08)
+    assert translated["ttft_mean_s"] == pytest.approx((0.04 + 0.08 + 0.15) / 3)
+    assert translated["ttft_ratio"] == pytest.approx(0.08 / 0.20)
+    assert rows["alternate", "tail"]["ttft_ratio"] == pytest.approx(0.10 / 0.20)
+    assert rows["alternate", "reprefill"]["ttft_ratio"] == pytest.approx(1.0)
+
+
+def test_ttft_ratio_pairs_the_same_requests():
+    without_first_swap = [r for r in TRANSLATED if r.request != 1]
+    (_, row) = summarize([*REPREFILL, *without_first_swap])
+    assert row["paired_requests"] == 2
+    assert row["ttft_ratio"] == pytest.approx(((0.08 + 0.15) / 2) / ((0.20 + 0.30) / 2))
+    assert row["prefill_saved"] == pytest.approx(1 - 70 / 500)
+
+
+def test_quality_means(rows):
+    translated = rows["alternate", "translated"]
+    assert translated["judged_requests"] == 3
+    assert translated["agreement_mean"] == pytest.approx(0.75)
+    assert translated["nll_mean"] == pytest.approx(1.1)
+    assert translated["reference_nll_mean"] == pytest.approx(1.0)
+    assert translated["nll_increase"] == pytest.approx(0.1)
+    assert rows["alternate", "tail"]["agreement_mean"] == pytest.approx(2.5 / 3)
+    assert rows["alternate", "reprefill"]["agreement_mean"] is None
+
+
+def test_intervals_hold_the_estimate_and_are_reproducible(rows):
+    translated = rows["alternate", "translated"]
+    low, high = translated["agreement_ci"]
+    assert 0.5 <= low <= 0.75 <= high <= 1.0 and low < high
+    low, high = translated["ttft_ratio_ci"]
+    assert 0.04 / 0.30 <= low <= 0.4 <= high <= 0.15 / 0.10
+    again = {(row["policy"], row["mode"]): row for row in summarize(RECORDS)}
+    assert again["alternate", "translated"]["ttft_ratio_ci"] == translated["ttft_ratio_ci"]
+
+
+def test_nothing_swapped_or_nothing_to_compare_is_none(rows):
+    sticky = rows["sticky", "reprefill"]
+    assert sticky["swapped"] == 0
+    assert sticky["swapped_tokens"] is None
+    assert sticky["ttft_median_s"] is None and sticky["ttft_ratio"] is None
+    assert sticky["prefill_saved"] is None
+    assert sticky["all_tokens"]["reused"]["device"] == 170
+    one_swap = rows["swap-0.25", "translated"]
+    assert one_swap["swapped"] == 1 and one_swap["ttft_median_s"] == pytest.approx(0.06)
+    assert one_swap["prefill_saved"] is None and one_swap["ttft_ratio"] is None
+    assert one_swap["agreement_mean"] == pytest.approx(0.9) and one_swap["agreement_ci"] is None
+
+
+def table_line(markdown: str, section: str, policy: str, mode_title: str) -> list[str]:
+    body = markdown.split(f"## {section}")[1].split("\n## ")[0]
+    for line in body.splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if cells[:2] == [policy, mode_title]:
+            return cells
+    raise AssertionError(f"no row {policy}/{mode_title} in {section}:\n{body}")
+
+
+def test_markdown_has_the_header_and_the_rows():
+    markdown = summary_markdown(RECORDS, HEADER)
+    assert f"`{HEADER['command']}`" in markdown
+    for key, value in HEADER.items():
+        assert f"**{key}**" in markdown and str(value) in markdown
+    translated = table_line(markdown, "Swapped requests", "alternate", "translated")
+    assert "85.0%" in translated and "80.0" in translated
+    assert any(cell.startswith("0.40 [") for cell in translated)
+    quality_row = table_line(markdown, "Quality", "alternate", "translated")
+    assert quality_row[2] == "3" and quality_row[3].startswith("0.75 [")
+    assert quality_row[-1] == "+0.100"
+    assert "bootstrap" in markdown
+
+
+def test_markdown_says_dash_where_nothing_is_swapped():
+    markdown = summary_markdown(RECORDS, HEADER)
+    sticky = table_line(markdown, "Swapped requests", "sticky", "re-prefill (HiCache, no packs)")
+    assert sticky[3] == "0"
+    assert sticky[4:] == [DASH] * len(sticky[4:])
+    assert "nan" not in markdown.lower()
+    one_swap = table_line(markdown, "Swapped requests", "swap-0.25", "translated")
+    assert one_swap[-4] == DASH and one_swap[-1] == DASH  # no re-prefill replay to compare with
+
+
+def test_markdown_needs_the_whole_header():
+    with pytest.raises(ValueError, match="scale"):
+        summary_markdown(RECORDS, {k: v for k, v in HEADER.items() if k != "scale"})
+
+
+def test_report_writes_the_summary_and_four_figures(tmp_path):
+    pytest.importorskip("matplotlib")
+    summary = write_report(RECORDS, HEADER, tmp_path / "report")
+    assert summary == tmp_path / "report" / SUMMARY_FILE
+    text = summary.read_text()
+    assert text.startswith(summary_markdown(RECORDS, HEADER))
+    for name in FIGURES:
+        png = tmp_path / "report" / name
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+        assert f"]({name})" in text
+    assert sorted(p.name for p in summary.parent.iterdir()) == sorted([SUMMARY_FILE, *FIGURES])
+
+
+def test_report_draws_a_run_without_swaps(tmp_path):
+    pytest.importorskip("matplotlib")
+    write_report(STICKY, HEADER, tmp_path)
+    assert all((tmp_path / name).stat().st_size > 0 for name in FIGURES)
+
+
+def test_report_without_matplotlib_says_how_to_get_the_figures(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    summary = write_report(RECORDS, HEADER, tmp_path)
+    assert INSTALL_HINT in summary.read_text()
+    assert [p.name for p in tmp_path.iterdir()] == [SUMMARY_FILE]
+
+
+def test_records_round_trip_through_json():
+    lines = [json.dumps(record.to_json()) for record in RECORDS]
+    assert [RequestRecord.from_json(json.loads(line)) for line in lines] == RECORDS
+    assert summarize([RequestRecord.from_json(json.loads(line)) for line in lines]) == summarize(
+        RECORDS
+    )
