@@ -5,7 +5,7 @@ as SGLang 0.5.23's native endpoint does: with ``"stream": true``, ``data: {json}
 then ``data: [DONE]`` (``entrypoints/http_server.py:951-975``), each event
 ``{"text", "output_ids" (cumulative, the default), "meta_info"}``
 (``managers/tokenizer_manager.py:2626-2660``), the meta_info keys of
-``tokenizer_manager.py:2502-2576`` (``id``, ``finish_reason`` as ``{"type": "length", "length":
+``tokenizer_manager.py:2506-2576`` (``id``, ``finish_reason`` as ``{"type": "length", "length":
 n}``, ``prompt_tokens``, ``weight_version``, ``num_retractions``, ``reasoning_tokens``,
 ``completion_tokens``, ``cached_tokens``, ``cached_tokens_details`` ``{"device", "host",
 "storage", "storage_backend"}`` as ``output_streamer.py:102-132`` builds it, absent when
