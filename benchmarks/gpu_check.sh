@@ -13,8 +13,8 @@
 #    (Repair.sweeps), and the target's hand-off forward over 0 / 112 / 240 anchors + tail.
 # Needs torch, triton, transformers, safetensors, click, tqdm, pytest and jsonschema (a CUDA image of
 # PyTorch has all but jsonschema: install it, or carry its wheels and `pip install --target`);
-# sgl-kvmap runs from this checkout, nothing is installed. The SGLang
-# end-to-end check is separate: benchmarks/sglang_e2e.sh (it needs the models and SGLang).
+# sgl-kvmap runs from this checkout, nothing is installed. The SGLang end-to-end benchmark is
+# separate: benchmarks/bench_live.sh (it needs the models and SGLang).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-benchmarks/results}

@@ -1,0 +1,361 @@
+"""The benchmark's replay against two live SGLang servers (the GPU variant of ``sgl-kvmap bench``).
+
+Each request of a trace goes, as token ids, to the server its routing chose ("small" or
+"large"), through SGLang's native ``/generate`` endpoint: greedy, streamed, ``max_new_tokens``
+the turn's output length. What is measured, and where it comes from (SGLang 0.5.23):
+
+- **Time to first token**: from sending the request to the first streamed chunk that holds an
+  output token (SGLang streams the first token at once whatever its stream interval,
+  ``managers/scheduler_components/output_streamer.py:459-468``). It includes HiCache's
+  prefetch from storage, the translation in KVMapStorage, the load-back and the prefill.
+- **Tiers**: ``meta_info.cached_tokens_details`` of the last chunk, ``{"device", "host",
+  "storage", "storage_backend"}``, which the native endpoint always returns when any prompt
+  token was cached (``managers/tokenizer_manager.py:2569-2576``; no server flag and no request
+  field: ``--enable-cache-report`` and ``return_cached_tokens_details`` are for the OpenAI
+  endpoints only). ``device + host + storage`` is the matched prefix
+  (``managers/schedule_batch.py:231-265``). A live server cannot tell its own storage pages
+  from pages KVMapStorage translated from a peer, so this module counts the storage hits of a
+  **swapped request in a translating mode** as ``translated``, and every other storage hit
+  (re-prefill mode, or a request that stayed on its model) as ``storage``. ``computed`` is the
+  prompt minus the cached tokens. ``fallbacks`` stays empty: the reasons live in the server's
+  ``KVMapStorage.counters``, which HTTP does not expose.
+- **Quality** (swapped requests in a translating mode), against the re-prefill replay's answer
+  to the same request: the fraction of its first ``quality_tokens`` greedy tokens this mode's
+  answer repeats, and the teacher-forced mean NLL of that answer on the server that served the
+  request, right after it (so over this mode's cache): prompt + answer sent with
+  ``return_logprob`` and ``logprob_start_len = prompt - 1``. SGLang reuses cache only up to
+  ``logprob_start_len`` (``schedule_batch.py:1774-1775``), so the answer is always computed;
+  and its input logprobs are ``[None] + logprobs[:-1]`` paired with
+  ``input_ids[logprob_start_len:]`` (``scheduler_components/logprob_result_processor.py:37-50``):
+  a start at the prompt length itself would leave the first answer token without one. The
+  re-prefill replay measures the same NLL on its own cache (``reference_nll``). These requests
+  add the prompt and answer to that server's cache, as serving the answer would.
+
+Requests are replayed one at a time, in arrival order, each after the previous one finished:
+no queueing and no batching across requests is modelled, and ``arrival_s`` is not waited for.
+The stream must be SGLang's default (cumulative ``output_ids``); a server started with
+``--incremental-streaming-output`` also works (the ids are then joined).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+from ..core.errors import KVMapError
+from .records import MODES, REFERENCE_MODE, TIERS, Quality, RequestRecord
+
+TRANSLATING_MODES = tuple(m for m in MODES if m != REFERENCE_MODE)
+QUALITY_TOKENS = 32  # answer tokens compared for greedy agreement
+SERVER_TIERS = ("device", "host", "storage")  # the keys of SGLang's cached_tokens_details
+
+
+class LiveServerError(KVMapError):
+    """A live SGLang server could not be reached or answered a request with an error."""
+
+
+class TurnLike(Protocol):
+    """The fields of ``sgl_kvmap.bench.workload.Turn`` a replay reads."""
+
+    request: int
+    session: int
+    turn: int
+    tokens: tuple[int, ...]  # the whole prompt of this request, history included
+    output_tokens: int  # the answer length the trace asks for
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One streamed greedy generation: the answer, the time to its first token, and the
+    prompt tokens the server reports cached per tier (``SERVER_TIERS``)."""
+
+    output_ids: tuple[int, ...]
+    ttft_s: float
+    prompt_tokens: int
+    cached: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The re-prefill replay's answer to one request, and for a swapped request the
+    teacher-forced NLL of that answer under re-prefill's own cache."""
+
+    answer: tuple[int, ...]
+    nll: float | None = None
+
+
+class LiveReplay(NamedTuple):
+    records: list[RequestRecord]
+    answers: dict[int, Reference]  # by request index
+
+
+class LiveClient:
+    """Greedy ``/generate`` calls to the servers of one pair, by model name ("small",
+    "large"): ``servers`` maps each to its base URL, e.g. ``http://127.0.0.1:30000``."""
+
+    def __init__(self, servers: Mapping[str, str], timeout: float = 600.0):
+        import httpx
+
+        self.servers = {model: url.rstrip("/") for model, url in servers.items()}
+        self._http = httpx.Client(timeout=httpx.Timeout(timeout, connect=10.0))
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> LiveClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def generate(self, model: str, tokens: Sequence[int], max_new_tokens: int) -> Generation:
+        body = {
+            "input_ids": list(tokens),
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens},
+            "stream": True,
+        }
+        started = time.perf_counter()
+        first, chunks = None, []
+        for chunk in self._stream(model, body):
+            if first is None and chunk.get("output_ids"):
+                first = time.perf_counter()
+            chunks.append(chunk)
+        if not chunks:
+            raise LiveServerError(f"{self._where(model)} streamed no output for the request")
+        meta = chunks[-1].get("meta_info") or {}
+        return Generation(
+            output_ids=_answer_ids(chunks, meta, self._where(model)),
+            ttft_s=(first or time.perf_counter()) - started,
+            prompt_tokens=int(meta.get("prompt_tokens", len(tokens))),
+            cached=cached_by_tier(meta),
+        )
+
+    def answer_nll(self, model: str, prompt: Sequence[int], answer: Sequence[int]) -> float:
+        """Mean negative log-likelihood (nats/token) of ``answer`` after ``prompt``."""
+        body = {
+            "input_ids": [*prompt, *answer],
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": 1},
+            "return_logprob": True,
+            "logprob_start_len": max(len(prompt) - 1, 0),
+            "stream": False,
+        }
+        meta = self._post(model, body).get("meta_info") or {}
+        logprobs = answer_logprobs(meta.get("input_token_logprobs") or [], answer, len(prompt))
+        return -sum(logprobs) / len(logprobs)
+
+    def _stream(self, model: str, body: dict) -> Iterator[dict]:
+        import httpx
+
+        try:
+            with self._http.stream("POST", self._url(model), json=body) as response:
+                if response.status_code != 200:
+                    response.read()
+                    raise self._status_error(model, response)
+                yield from sse_payloads(response.iter_lines(), self._where(model))
+        except httpx.HTTPError as exc:
+            raise self._unreachable(model, exc) from exc
+
+    def _post(self, model: str, body: dict) -> dict:
+        import httpx
+
+        try:
+            response = self._http.post(self._url(model), json=body)
+        except httpx.HTTPError as exc:
+            raise self._unreachable(model, exc) from exc
+        if response.status_code != 200:
+            raise self._status_error(model, response)
+        return response.json()
+
+    def _url(self, model: str) -> str:
+        if model not in self.servers:
+            raise KVMapError(f"no server for model {model!r}; servers: {sorted(self.servers)}")
+        return self.servers[model] + "/generate"
+
+    def _where(self, model: str) -> str:
+        return f"the {model} server at {self.servers[model]}"
+
+    def _unreachable(self, model: str, exc: Exception) -> LiveServerError:
+        return LiveServerError(
+            f"{self._where(model)} did not answer ({type(exc).__name__}: {exc}); is it running "
+            "and healthy (GET /health)? See its log"
+        )
+
+    def _status_error(self, model: str, response) -> LiveServerError:
+        return LiveServerError(
+            f"{self._where(model)} answered HTTP {response.status_code}: "
+            f"{response.text.strip()[:500]}"
+        )
+
+
+def sse_payloads(lines: Iterable[str], where: str) -> Iterator[dict]:
+    """The JSON objects of SGLang's event stream (``data: {...}`` lines up to ``data:
+    [DONE]``); an ``{"error": ...}`` object, which SGLang streams with HTTP 200
+    (``entrypoints/http_server.py:957-974``), raises."""
+    for line in lines:
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:") :].strip()
+        if data == "[DONE]":
+            return
+        payload = json.loads(data)
+        if "error" in payload:
+            error = payload["error"]
+            message = error.get("message", error) if isinstance(error, dict) else error
+            raise LiveServerError(f"{where} streamed an error: {message}")
+        yield payload
+
+
+def cached_by_tier(meta: dict) -> dict[str, int]:
+    """SGLang's per-tier cached prompt tokens (``SERVER_TIERS``); without details (SGLang
+    sends none when nothing was cached) every tier is 0, unless ``cached_tokens`` says
+    otherwise, which SGLang reports as device hits (``output_streamer.py:102-132``)."""
+    details = meta.get("cached_tokens_details") or {}
+    if not details and meta.get("cached_tokens"):
+        details = {"device": meta["cached_tokens"]}
+    return {tier: int(details.get(tier) or 0) for tier in SERVER_TIERS}
+
+
+def record_tiers(cached: Mapping[str, int], mode: str, swapped: bool) -> dict[str, int]:
+    """The record's tiers (``TIERS``) from the server's: storage hits of a swapped request in
+    a translating mode are the translated pages; every other storage hit is native."""
+    storage_tier = "translated" if swapped and mode in TRANSLATING_MODES else "storage"
+    reused = dict.fromkeys(TIERS, 0)
+    reused["device"], reused["host"] = cached["device"], cached["host"]
+    reused[storage_tier] = cached["storage"]
+    return reused
+
+
+def agreement(answer: Sequence[int], reference: Sequence[int], tokens: int) -> float:
+    """The fraction of the reference's first ``tokens`` tokens that ``answer`` repeats at the
+    same positions (a shorter answer disagrees where it has none)."""
+    n = min(tokens, len(reference))
+    return sum(a == r for a, r in zip(answer[:n], reference[:n])) / n if n else 1.0
+
+
+def answer_logprobs(
+    input_token_logprobs: Sequence[Sequence], answer: Sequence[int], prompt_tokens: int
+) -> list[float]:
+    """The logprob of every answer token from SGLang's ``meta_info.input_token_logprobs``
+    (``[logprob, token_id, text]`` per input token from ``logprob_start_len = prompt - 1``;
+    the first entry, the last prompt token, has no logprob)."""
+    entries = list(input_token_logprobs)[-len(answer) :] if answer else []
+    ids = [int(entry[1]) for entry in entries]
+    if ids != list(answer):
+        raise LiveServerError(
+            f"the server returned logprobs for tokens {ids[:8]}... where the answer after the "
+            f"{prompt_tokens}-token prompt is {list(answer)[:8]}...: was logprob_start_len "
+            "honoured?"
+        )
+    values = [entry[0] for entry in entries]
+    if any(v is None or not math.isfinite(v) for v in values):
+        raise LiveServerError(f"the server returned missing or non-finite logprobs: {values}")
+    return [float(v) for v in values]
+
+
+def replay(
+    turns: Sequence[TurnLike],
+    models: Sequence[str],
+    swapped: Sequence[bool],
+    ideal_reuse: Sequence[int],
+    *,
+    policy: str,
+    mode: str,
+    client: LiveClient,
+    references: Mapping[int, Reference] | None = None,
+    quality_tokens: int = QUALITY_TOKENS,
+) -> LiveReplay:
+    """Replay ``turns`` (arrival order) one at a time; ``models[i]`` serves ``turns[i]``
+    (the policy's routing), ``swapped[i]`` says whether it changed model, ``ideal_reuse[i]``
+    is the oracle's reuse. In a translating mode ``references`` (re-prefill's answers, from
+    this function in mode ``reprefill``) give each swapped request its quality."""
+    if mode not in MODES:
+        raise KVMapError(f"mode must be one of {MODES}, got {mode!r}")
+    if not len(turns) == len(models) == len(swapped) == len(ideal_reuse):
+        raise KVMapError("turns, models, swapped and ideal_reuse must have one entry per turn")
+    if mode in TRANSLATING_MODES and references is None:
+        raise KVMapError(f"mode {mode!r} needs the re-prefill replay's answers (references)")
+    records, answers = [], {}
+    for turn, model, moved, ideal in zip(turns, models, swapped, ideal_reuse):
+        generation = client.generate(model, turn.tokens, turn.output_tokens)
+        record = _record(turn, model, moved, ideal, generation, policy, mode)
+        if moved and mode == REFERENCE_MODE and generation.output_ids:
+            nll = client.answer_nll(model, turn.tokens, generation.output_ids)
+            answers[turn.request] = Reference(generation.output_ids, nll)
+        else:
+            answers[turn.request] = Reference(generation.output_ids)
+        if moved and mode in TRANSLATING_MODES:
+            reference = _reference(references, turn.request)
+            record.quality = _quality(client, model, turn, generation, reference, quality_tokens)
+        records.append(record)
+    return LiveReplay(records, answers)
+
+
+def _record(turn, model, moved, ideal, generation: Generation, policy, mode) -> RequestRecord:
+    prompt = len(turn.tokens)
+    if generation.prompt_tokens != prompt:
+        raise LiveServerError(
+            f"request {turn.request}: the {model} server counted {generation.prompt_tokens} "
+            f"prompt tokens for {prompt} token ids"
+        )
+    reused = record_tiers(generation.cached, mode, moved)
+    if sum(reused.values()) > prompt:
+        raise LiveServerError(
+            f"request {turn.request}: the {model} server reports {generation.cached} cached "
+            f"tokens for a {prompt}-token prompt"
+        )
+    return RequestRecord(
+        policy=policy,
+        mode=mode,
+        request=turn.request,
+        session=turn.session,
+        turn=turn.turn,
+        model=model,
+        swapped=moved,
+        prompt_tokens=prompt,
+        ideal_reuse_tokens=ideal,
+        reused=reused,
+        computed=prompt - sum(reused.values()),
+        ttft_s=generation.ttft_s,
+    )
+
+
+def _reference(references: Mapping[int, Reference], request: int) -> Reference:
+    reference = references.get(request)
+    if reference is None:
+        raise KVMapError(
+            f"request {request} is swapped but the re-prefill replay has no answer for it: "
+            "replay mode 'reprefill' first, with the same turns and policy"
+        )
+    return reference
+
+
+def _quality(client, model, turn, generation, reference: Reference, tokens) -> Quality | None:
+    if not reference.answer or reference.nll is None:
+        return None  # re-prefill answered nothing (end of sequence at once): nothing to compare
+    return Quality(
+        tokens=min(tokens, len(reference.answer)),
+        agreement=agreement(generation.output_ids, reference.answer, tokens),
+        nll=client.answer_nll(model, turn.tokens, reference.answer),
+        reference_nll=reference.nll,
+    )
+
+
+def _answer_ids(chunks: list[dict], meta: dict, where: str) -> tuple[int, ...]:
+    """The answer from SGLang's default cumulative stream (the last chunk holds every id), or
+    from an incremental one (``--incremental-streaming-output``: the chunks' ids joined),
+    whichever matches ``meta_info.completion_tokens``."""
+    last = list(chunks[-1].get("output_ids") or [])
+    expected = meta.get("completion_tokens", len(last))
+    if len(last) == expected:
+        return tuple(last)
+    joined = [i for chunk in chunks for i in chunk.get("output_ids") or []]
+    if len(joined) == expected:
+        return tuple(joined)
+    raise LiveServerError(
+        f"{where} reported {expected} completion tokens but streamed {len(last)} "
+        f"(last chunk) / {len(joined)} (all chunks)"
+    )

@@ -1,0 +1,374 @@
+"""The live replay client (sgl_kvmap/bench/live.py) against stand-in SGLang servers.
+
+Each stand-in is a stdlib ``http.server`` on 127.0.0.1, in a thread, that answers ``/generate``
+as SGLang 0.5.23's native endpoint does: with ``"stream": true``, ``data: {json}\\n\\n`` events
+then ``data: [DONE]`` (``entrypoints/http_server.py:951-975``), each event
+``{"text", "output_ids" (cumulative, the default), "meta_info"}``
+(``managers/tokenizer_manager.py:2626-2660``), the meta_info keys of
+``tokenizer_manager.py:2506-2576`` (``id``, ``finish_reason`` as ``{"type": "length", "length":
+n}``, ``prompt_tokens``, ``weight_version``, ``num_retractions``, ``reasoning_tokens``,
+``completion_tokens``, ``cached_tokens``, ``cached_tokens_details`` ``{"device", "host",
+"storage", "storage_backend"}`` as ``output_streamer.py:102-132`` builds it, absent when
+nothing was cached), and an error as a streamed ``{"error": {...}}`` event with HTTP 200.
+With ``return_logprob``, ``meta_info.input_token_logprobs`` is ``[logprob, token_id, null]``
+for every input token from ``logprob_start_len``, the first with a null logprob
+(``scheduler_components/logprob_result_processor.py:37-50``, ``tokenizer_manager.py:3098-3108``).
+
+Substituted: the model (answers and logprobs are fixed functions of the token ids), the cache
+(the stand-in matches a prompt against the prompts it served and, as "storage", those every
+stand-in served, in whole pages, never the last prompt token) and the timing (a set delay
+before the first event and between events).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from sgl_kvmap.bench.live import (
+    LiveClient,
+    LiveServerError,
+    agreement,
+    replay,
+)
+from sgl_kvmap.core.errors import KVMapError
+
+PAGE = 4
+
+
+@dataclass(frozen=True)
+class Turn:  # the fields of sgl_kvmap.bench.workload.Turn the client reads
+    request: int
+    session: int
+    turn: int
+    arrival_s: float
+    tokens: tuple[int, ...]
+    new_tokens: int
+    output_tokens: int
+    text: str | None = None
+
+
+def answer_of(prompt, n, wrong_from=None):
+    """The stand-in model's greedy answer; from ``wrong_from`` on every token is off by one."""
+    base = [(sum(prompt) + 3 * k) % 97 for k in range(n)]
+    return [t + 1 if wrong_from is not None and k >= wrong_from else t for k, t in enumerate(base)]
+
+
+def logprob_of(token, position, offset=0.0):
+    return -((token + position) % 5 + 1) / 4 - offset
+
+
+def lcp(a, b):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@dataclass
+class Behaviour:
+    """What one stand-in does (changed by a test between replays)."""
+
+    first_delay: float = 0.0
+    chunk_delay: float = 0.0
+    wrong_from: int | None = None  # a degraded cache: answers differ from this token on
+    nll_offset: float = 0.0  # and every logprob is lower by this
+    status: int = 200  # anything else: answer with this status
+    stream_error: str | None = None  # stream this error event instead of an answer
+    received: list = field(default_factory=list)  # input_ids of every /generate
+    history: list = field(default_factory=list)  # prompts this server served
+
+
+STORE: list = []  # prompts every stand-in served: the shared "storage" tier
+
+
+def cached(prompt, behaviour):
+    limit = len(prompt) - 1
+    own = max((lcp(prompt, p) for p in behaviour.history), default=0)
+    shared = max((lcp(prompt, p) for p in STORE), default=0)
+    device = min(own, limit) // PAGE * PAGE
+    storage = max(min(shared, limit) // PAGE * PAGE - device, 0)
+    return device, storage
+
+
+def make_handler(behaviour: Behaviour):
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            behaviour.received.append(body["input_ids"])
+            if behaviour.status != 200:
+                return self._send(behaviour.status, b'{"error": "Internal Server Error"}')
+            if body.get("return_logprob"):
+                return self._send(200, json.dumps(self._logprobs(body)).encode())
+            self._stream(body)
+
+        def _logprobs(self, body):
+            ids, start = body["input_ids"], body["logprob_start_len"]
+            entries = [[logprob_of(t, p, behaviour.nll_offset), t, None] for p, t in enumerate(ids)]
+            entries = entries[start:]
+            entries[0][0] = None
+            meta = self._meta(len(ids), 1, 0, 0) | {"input_token_logprobs": entries}
+            return {"text": "x", "output_ids": [7], "meta_info": meta}
+
+        def _stream(self, body):
+            prompt, n = body["input_ids"], body["sampling_params"]["max_new_tokens"]
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            if behaviour.stream_error:
+                error = {"message": behaviour.stream_error, "code": 400, "retryable": False}
+                return self._events([{"error": {"type": "invalid_request_error", **error}}])
+            device, storage = cached(prompt, behaviour)
+            answer = answer_of(prompt, n, behaviour.wrong_from)
+            behaviour.history.append(prompt)
+            STORE.append(prompt)
+            time.sleep(behaviour.first_delay)
+            for k in range(1, n + 1):
+                finished = k == n
+                meta = self._meta(len(prompt), k, device, storage, finished)
+                self._events([{"text": "x" * k, "output_ids": answer[:k], "meta_info": meta}])
+                if not finished:
+                    time.sleep(behaviour.chunk_delay)
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def _events(self, payloads):
+            for payload in payloads:
+                self.wfile.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+                self.wfile.flush()
+
+        def _meta(self, prompt, k, device, storage, finished=True):
+            meta = {
+                "id": "0f3c",
+                "finish_reason": {"type": "length", "length": k} if finished else None,
+                "prompt_tokens": prompt,
+                "weight_version": "default",
+                "num_retractions": 0,
+                "reasoning_tokens": 0,
+                "completion_tokens": k,
+                "cached_tokens": device + storage,
+            }
+            if device or storage:
+                meta["cached_tokens_details"] = {
+                    "device": device,
+                    "host": 0,
+                    "storage": storage,
+                    "storage_backend": "KVMapStorage",
+                }
+            if finished:
+                meta["e2e_latency"] = 0.01
+            return meta
+
+        def _send(self, status, data):
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    return Handler
+
+
+@pytest.fixture
+def servers():
+    """Two stand-ins, "small" and "large": (their behaviours, their URLs)."""
+    STORE.clear()
+    behaviours, urls, running = {}, {}, []
+    for model in ("small", "large"):
+        behaviours[model] = Behaviour()
+        server = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(behaviours[model]))
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        urls[model] = f"http://127.0.0.1:{server.server_address[1]}"
+        running.append(server)
+    yield behaviours, urls
+    for server in running:
+        server.shutdown()
+        server.server_close()
+
+
+def trace():
+    """Session 0 moves small -> large -> large; session 1 stays on small."""
+    turns = [
+        Turn(0, 0, 0, 0.0, tuple(range(10)), 10, 4),
+        Turn(1, 0, 1, 1.0, tuple(range(18)), 8, 4),
+        Turn(2, 0, 2, 2.0, tuple(range(26)), 8, 4),
+        Turn(3, 1, 0, 3.0, tuple(range(100, 106)), 6, 4),
+    ]
+    return turns, ["small", "large", "large", "small"], [False, True, False, False]
+
+
+def run(urls, mode, references=None, quality_tokens=4):
+    turns, models, swapped = trace()
+    with LiveClient(urls, timeout=10) as client:
+        return replay(
+            turns,
+            models,
+            swapped,
+            [0, 16, 16, 0],
+            policy="alternate",
+            mode=mode,
+            client=client,
+            references=references,
+            quality_tokens=quality_tokens,
+        )
+
+
+def test_tiers_from_sglang_details_and_routing(servers):
+    behaviours, urls = servers
+    reprefill = run(urls, "reprefill")
+    # each request went to the server its routing chose, as token ids
+    assert behaviours["small"].received[0] == list(range(10))
+    assert behaviours["small"].received[1] == list(range(100, 106))
+    assert [len(ids) for ids in behaviours["large"].received[:2]] == [18, 18 + 4]  # + NLL call
+    assert behaviours["large"].received[2] == list(range(26))
+    by_request = {r.request: r for r in reprefill.records}
+    assert [r.model for r in reprefill.records] == ["small", "large", "large", "small"]
+    # swapped request: 8 tokens from the shared store are native storage in re-prefill mode
+    assert by_request[1].reused == {"device": 0, "host": 0, "storage": 8, "translated": 0}
+    assert by_request[2].reused == {"device": 16, "host": 0, "storage": 0, "translated": 0}
+    for record in reprefill.records:
+        assert sum(record.reused.values()) + record.computed == record.prompt_tokens
+        assert record.quality is None and record.fallbacks == {}
+    assert by_request[1].computed == 10 and by_request[0].computed == 10
+
+    STORE.clear()
+    for b in behaviours.values():
+        b.history.clear()
+    translated = run(urls, "translated", reprefill.answers)
+    swapped = translated.records[1]
+    assert swapped.reused == {"device": 0, "host": 0, "storage": 0, "translated": 8}
+    assert translated.records[2].reused["translated"] == 0  # not swapped: native only
+    assert json.loads(json.dumps(swapped.to_json()))["reused"]["translated"] == 8
+
+
+def test_ttft_is_the_first_streamed_token(servers):
+    behaviours, urls = servers
+    behaviours["small"].first_delay, behaviours["small"].chunk_delay = 0.2, 0.3
+    with LiveClient(urls, timeout=10) as client:
+        started = time.perf_counter()
+        generation = client.generate("small", list(range(10)), 4)
+        total = time.perf_counter() - started
+    assert 0.2 <= generation.ttft_s < 0.2 + 0.6  # three more events follow, 0.3 s apart
+    assert total >= 0.2 + 3 * 0.3
+    assert list(generation.output_ids) == answer_of(range(10), 4)
+    assert generation.cached == {"device": 0, "host": 0, "storage": 0}
+
+
+def test_quality_from_logprobs_and_agreement(servers):
+    behaviours, urls = servers
+    reprefill = run(urls, "reprefill")
+    reference = reprefill.answers[1]
+    prompt = tuple(range(18))
+    assert list(reference.answer) == answer_of(prompt, 4)
+    expected_reference_nll = -sum(logprob_of(t, 18 + k) for k, t in enumerate(reference.answer)) / 4
+    assert reference.nll == pytest.approx(expected_reference_nll)
+    assert reprefill.answers[0].nll is None  # not swapped: no teacher forcing
+
+    STORE.clear()
+    for b in behaviours.values():
+        b.history.clear()
+    behaviours["large"].wrong_from, behaviours["large"].nll_offset = 1, 0.5
+    tail = run(urls, "tail", reprefill.answers)
+    quality = tail.records[1].quality
+    assert quality.tokens == 4
+    assert quality.agreement == pytest.approx(1 / 4)
+    assert quality.nll == pytest.approx(expected_reference_nll + 0.5)
+    assert quality.reference_nll == pytest.approx(expected_reference_nll)
+    # the teacher-forced request (before request 2): prompt + re-prefill's answer
+    assert behaviours["large"].received[-2] == [*prompt, *reference.answer]
+    assert all(r.quality is None for r in tail.records if not r.swapped)
+
+
+def test_agreement_counts_missing_tokens_as_different():
+    assert agreement([1, 2, 3], [1, 2, 3, 4], 4) == 0.75
+    assert agreement([1, 9, 3, 4, 5], [1, 2, 3, 4], 2) == 0.5
+    assert agreement([], [], 8) == 1.0
+
+
+def test_translating_mode_needs_references(servers):
+    _, urls = servers
+    with pytest.raises(KVMapError, match="re-prefill replay's answers"):
+        run(urls, "translated")
+    with pytest.raises(KVMapError, match="replay mode 'reprefill' first"):
+        run(urls, "translated", references={})
+
+
+def test_server_down_is_reported(servers):
+    _, urls = servers
+    probe = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
+    dead = f"http://127.0.0.1:{probe.server_address[1]}"
+    probe.server_close()  # nothing listens there now
+    with pytest.raises(LiveServerError, match=rf"small server at {dead} did not answer"):
+        run({**urls, "small": dead}, "reprefill")
+
+
+def test_http_500_is_reported(servers):
+    behaviours, urls = servers
+    behaviours["large"].status = 500
+    with pytest.raises(LiveServerError, match=r"large server .* HTTP 500: .*Internal Server"):
+        run(urls, "reprefill")
+
+
+def test_streamed_error_is_reported(servers):
+    behaviours, urls = servers
+    behaviours["small"].stream_error = "The input (10 tokens) is longer than the context"
+    with pytest.raises(LiveServerError, match="streamed an error: The input"):
+        run(urls, "reprefill")
+
+
+def bench_live_script():
+    """benchmarks/bench_live.py, the GPU driver (a script, not a package module)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "benchmarks" / "bench_live.py"
+    spec = importlib.util.spec_from_file_location("bench_live", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_each_mode_launches_the_servers_it_names(monkeypatch):
+    """The driver's launch commands per mode, parsed by SGLang 0.5.23's own ServerArgs parser
+    (engine_commands is replaced by its per-engine body: peers need real models and packs)."""
+    from sgl_kvmap.sglang import launch
+    from sgl_kvmap.sglang.launch import EngineSpec, PrefetchDeadline
+    from sgl_kvmap.sglang.settings import StorageSettings
+
+    from .test_cli import launch_flags, sglang_parses
+
+    script = bench_live_script()
+    peer = launch.PeerSettings("S", "/packs/s2l", "S", 1)
+
+    def commands(engines, packs, store_path, deadline=None):
+        peers = [[], [peer] if packs else []]
+        return [launch._command(e, p, "file", store_path, 64, deadline or PrefetchDeadline())
+                for e, p in zip(engines, peers)]  # fmt: skip
+
+    monkeypatch.setattr(script, "engine_commands", commands)
+    engines = [EngineSpec("S", port=31000), EngineSpec("L", port=31001)]
+    argv = {
+        mode: script.mode_commands(mode, engines, ["/packs/s2l"], "/tmp/st", None, (0.3, 0.45))
+        for mode in ("reprefill", "translated", "tail")
+    }
+    plain = [sglang_parses(c[3:]) for c in argv["reprefill"]]
+    assert [a.hicache_storage_backend for a in plain] == ["file", "file"]
+    assert [a.mem_fraction_static for a in plain] == [0.3, 0.45]
+    assert all(a.enable_hierarchical_cache and a.page_size == 64 for a in plain)
+    assert json.loads(plain[1].hicache_storage_backend_extra_config) == {
+        "file_storage_path": "/tmp/st"
+    }
+    for mode, tail in (("translated", 0), ("tail", StorageSettings.tail_pages)):
+        parsed = [sglang_parses(c[3:]) for c in argv[mode]]
+        assert all(a.hicache_storage_backend == "dynamic" for a in parsed)
+        extra = json.loads(launch_flags(argv[mode][1][3:])[script.EXTRA_CONFIG])
+        large = StorageSettings.from_extra_config(extra)
+        assert large.translate and large.tail_pages == tail
+        assert extra["file_storage_path"] == "/tmp/st"
