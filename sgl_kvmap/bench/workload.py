@@ -481,7 +481,7 @@ def _numbered(turn: Turn, request: int, session: int) -> Turn:
     return replace(turn, request=request, session=session)
 
 
-# ---- what an oracle could reuse ---------------------------------------------------------------
+# ---- what an oracle could reuse
 
 
 def ideal_reuse(turns: list[Turn], page_size: int) -> list[int]:
