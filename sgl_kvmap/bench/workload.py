@@ -1,0 +1,532 @@
+"""The requests ``sgl-kvmap bench`` replays: sessions of a request trace, filled with real text.
+
+Two trace shapes, detected from the file:
+
+- the Mooncake trace (JSON lines with ``timestamp`` ms, ``input_length``, ``output_length`` and
+  ``hash_ids``, one id per 512-token prefix block; the bundled default, ``DEFAULT_TRACE``);
+- SGLang's agentic trace (a JSON object ``{"conversations": [[{"messages": [...]}, ...], ...]}``
+  whose turns hold only the messages new in that turn).
+
+Sessions (Mooncake has no session ids). Every request of the trace opens with block 0, and
+beyond it unrelated requests almost never share a block: 61% of the requests share exactly
+block 0 with every earlier request and nothing more, two random requests share a second block
+with probability 0.0002, and a request that shares two or more blocks with an earlier one
+shares all but that request's last (partial) block in 85% of cases: a conversation's next turn.
+So a request continues the session of the latest earlier request with which it shares the
+longest common hash-id prefix, when that prefix is at least ``SESSION_MIN_SHARED_BLOCKS`` (2)
+blocks; its turn is that request's turn + 1. Otherwise it opens a session (turn 0). Branches
+(two requests continuing one request, 13 of 12,031) keep the rule: both get the parent's turn + 1.
+
+Text. Each distinct block id of the slice gets its own window of held-out token ids
+(``fitting.texts.default_eval_files``, shuffled, tokenized lazily file by file), so a repeated
+block id is the same tokens and distinct ids are disjoint windows of the stream (until the
+stream runs out; then windows wrap around). A Mooncake prompt is its blocks' tokens, truncated
+to its (scaled) ``input_length``. An agentic prompt of turn t is the prompt of turn t-1, then a
+stand-in for the previous answer (the previous turn's output length, scaled, of held-out text,
+consecutive windows in (session, turn) order), then this turn's new messages as plain
+``"role: content\\n"`` text, tokenized and cut to ``len // scale`` tokens. Agentic traces carry
+no arrival times: their turns come round by round (every session's turn 0, then turn 1, ...)
+with ``arrival_s`` 0.0, and the output length is a turn's ``output_tokens`` or
+``completion_tokens`` when present, else ``DEFAULT_AGENTIC_OUTPUT_TOKENS`` (SGLang's default).
+
+Scale. ``scale`` S divides the block size (512 // S tokens) and every length (at least 1), so a
+CPU can replay the trace's reuse structure at 1/S of its length.
+
+Slice. The first ``sessions`` sessions (in order of first arrival) that keep at least
+``min_turns`` turns, where a session keeps its turns below ``max_turns`` whose prompts fit in
+``max_prompt_tokens`` (after scaling) and whose previous turn was kept.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from itertools import chain
+from pathlib import Path
+from typing import NamedTuple
+
+from ..core.errors import KVMapError
+
+TRACE_BLOCK_TOKENS = 512  # the Mooncake trace's prefix block
+DEFAULT_TRACE = Path(__file__).with_name("data") / "mooncake_conversation_trace.jsonl"
+SESSION_MIN_SHARED_BLOCKS = 2  # block 0 opens every request: sharing it says nothing
+DEFAULT_AGENTIC_OUTPUT_TOKENS = 220  # sglang.benchmark.datasets.agentic_trace's default
+EXPECTED_SHAPES = (
+    "JSON lines with timestamp, input_length, output_length and hash_ids (the Mooncake trace) "
+    'or a JSON object with "conversations" (SGLang\'s agentic trace)'
+)
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One request of the replayed slice."""
+
+    request: int  # index in the replayed slice, arrival order (0..n-1)
+    session: int  # 0..sessions-1 in order of first arrival
+    turn: int  # 0 for a session's first request
+    arrival_s: float  # seconds after the slice's first request
+    tokens: tuple[int, ...]  # the prompt's token ids
+    new_tokens: int  # tokens beyond the previous turn's prompt (the whole prompt on turn 0)
+    output_tokens: int  # the trace's (scaled) answer length
+    text: str | None = None  # the last user message's text when the trace has text, else None
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    """Which trace, at what scale, and which slice of it (see the module docstring)."""
+
+    trace: str | None = None  # None: DEFAULT_TRACE (the bundled Mooncake trace)
+    scale: int = 16
+    sessions: int = 12
+    min_turns: int = 2
+    max_turns: int = 4
+    max_prompt_tokens: int | None = 1536  # after scaling; None: no cap
+    page_size: int = 8
+
+    def __post_init__(self):
+        for name in ("scale", "sessions", "min_turns", "max_turns", "page_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise KVMapError(
+                    f"workload {name} must be a positive integer, got {getattr(self, name)!r}"
+                )
+        if self.max_turns < self.min_turns:
+            raise KVMapError(f"max_turns {self.max_turns} is below min_turns {self.min_turns}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise KVMapError(
+                f"max_prompt_tokens must be positive or None, got {self.max_prompt_tokens}"
+            )
+        if self.block_tokens < self.page_size or self.block_tokens % self.page_size:
+            raise KVMapError(
+                f"scale {self.scale} makes the trace's {TRACE_BLOCK_TOKENS}-token blocks "
+                f"{self.block_tokens} tokens, not a multiple of the page size {self.page_size}; "
+                f"choose a scale that divides {TRACE_BLOCK_TOKENS // self.page_size}"
+            )
+
+    @property
+    def block_tokens(self) -> int:
+        """Tokens of one prefix block after scaling."""
+        return TRACE_BLOCK_TOKENS // self.scale
+
+    @property
+    def trace_path(self) -> Path:
+        return Path(self.trace) if self.trace is not None else DEFAULT_TRACE
+
+    def scaled(self, length: int) -> int:
+        """A trace length after scaling (at least 1)."""
+        return max(1, length // self.scale)
+
+    def fits(self, prompt_tokens: int) -> bool:
+        return self.max_prompt_tokens is None or prompt_tokens <= self.max_prompt_tokens
+
+
+def load_workload(
+    config: WorkloadConfig, tokenizer, text_files: Sequence[Path] | None = None
+) -> list[Turn]:
+    """The slice of ``config.trace`` that the benchmark replays, in arrival order, its prompts
+    tokenized with ``tokenizer`` (a Hugging Face tokenizer or any callable returning
+    ``{"input_ids": [...]}``); ``text_files``: the held-out text (default: the shuffled
+    ``default_eval_files()``)."""
+    text = read_trace_text(config.trace_path)
+    stream = TokenStream(tokenizer, held_out_files() if text_files is None else text_files)
+    conversations = agentic_conversations(text, config.trace_path)
+    if conversations is not None:
+        return agentic_workload(conversations, config, tokenizer, stream)
+    return mooncake_workload(mooncake_requests(text, config.trace_path), config, stream)
+
+
+def held_out_files() -> list[Path]:
+    from ..fitting.texts import default_eval_files, shuffled
+
+    return shuffled(default_eval_files())
+
+
+def read_trace_text(path: Path) -> str:
+    if not path.is_file():
+        raise KVMapError(f"trace {path} does not exist; expected {EXPECTED_SHAPES}")
+    return path.read_text(encoding="utf-8")
+
+
+# ---- held-out text ----------------------------------------------------------------------------
+
+
+class TokenStream:
+    """Held-out token ids as one stream: files tokenized one by one, only as far as a window
+    reaches; windows past the end of the last file wrap around to the start."""
+
+    def __init__(self, tokenizer, files: Iterable[Path]):
+        self._tokenizer = tokenizer
+        self._files: Iterator[Path] = iter(files)
+        self._ids: list[int] = []
+
+    def window(self, start: int, length: int) -> tuple[int, ...]:
+        """Token ids ``[start, start + length)`` of the stream (modulo its length once every
+        file has been read)."""
+        self._read_until(start + length)
+        if start + length <= len(self._ids):
+            return tuple(self._ids[start : start + length])
+        if not self._ids:
+            raise KVMapError("the held-out text files hold no tokens to fill prompts with")
+        return tuple(self._ids[(start + k) % len(self._ids)] for k in range(length))
+
+    def _read_until(self, tokens: int) -> None:
+        while len(self._ids) < tokens:
+            path = next(self._files, None)
+            if path is None:
+                return
+            text = path.read_text(encoding="utf-8", errors="replace")
+            self._ids += self._tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def tokenize(tokenizer, text: str) -> tuple[int, ...]:
+    return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+# ---- the Mooncake trace -----------------------------------------------------------------------
+
+
+class MooncakeRequest(NamedTuple):
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+class Lineage(NamedTuple):
+    """Where a trace request sits in its session."""
+
+    parent: int | None  # trace index of the request it continues (None: it opens a session)
+    session: int  # trace-wide, in order of first arrival
+    turn: int
+
+
+def mooncake_requests(text: str, path: Path) -> list[MooncakeRequest]:
+    """The requests of a Mooncake JSONL trace, in arrival order (stable by timestamp)."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise KVMapError(f"trace {path} is empty; expected {EXPECTED_SHAPES}")
+    requests = [_mooncake_request(line, path, number) for number, line in enumerate(lines, 1)]
+    return sorted(requests, key=lambda r: r.timestamp_ms)
+
+
+def _mooncake_request(line: str, path: Path, number: int) -> MooncakeRequest:
+    try:
+        row = json.loads(line)
+        request = MooncakeRequest(
+            float(row["timestamp"]),
+            int(row["input_length"]),
+            int(row["output_length"]),
+            tuple(int(b) for b in row["hash_ids"]),
+        )
+    except (ValueError, TypeError, KeyError) as error:
+        raise KVMapError(
+            f"trace {path} line {number} is not a trace request ({error!r}); "
+            f"expected {EXPECTED_SHAPES}"
+        ) from None
+    if not request.hash_ids:
+        raise KVMapError(f"trace {path} line {number} has no hash_ids; expected {EXPECTED_SHAPES}")
+    return request
+
+
+def derive_sessions(
+    hash_ids: Sequence[Sequence[int]], min_shared_blocks: int = SESSION_MIN_SHARED_BLOCKS
+) -> list[Lineage]:
+    """Sessions of requests given only their prefix-block ids (arrival order): a request continues
+    the latest earlier request sharing its longest common block prefix, when that prefix has at
+    least ``min_shared_blocks`` blocks (a trie of block ids: linear in the blocks)."""
+    children: dict[tuple[int, int], int] = {}  # (trie node, block id) -> trie node
+    latest: dict[int, int] = {}  # trie node -> latest request whose prefix passes through it
+    lineages: list[Lineage] = []
+    sessions = 0
+    for request, ids in enumerate(hash_ids):
+        node, depth = _deepest_match(children, ids)
+        if depth >= min_shared_blocks:
+            parent = latest[node]
+            lineages.append(Lineage(parent, lineages[parent].session, lineages[parent].turn + 1))
+        else:
+            lineages.append(Lineage(None, sessions, 0))
+            sessions += 1
+        for node in _insert_path(children, ids):
+            latest[node] = request
+    return lineages
+
+
+def _deepest_match(children: dict[tuple[int, object], int], keys: Iterable) -> tuple[int, int]:
+    """The trie node at the end of the longest stored prefix of ``keys``, and its depth."""
+    node, depth = 0, 0
+    for key in keys:
+        child = children.get((node, key))
+        if child is None:
+            break
+        node, depth = child, depth + 1
+    return node, depth
+
+
+def _insert_path(children: dict[tuple[int, object], int], keys: Iterable) -> list[int]:
+    """Store ``keys`` as a path from the root (node 0); the nodes along it."""
+    node, path = 0, []
+    for key in keys:
+        node = children.setdefault((node, key), len(children) + 1)
+        path.append(node)
+    return path
+
+
+def mooncake_prompt_length(request: MooncakeRequest, config: WorkloadConfig) -> int:
+    """The scaled input length, never beyond the request's blocks."""
+    return min(config.scaled(request.input_length), len(request.hash_ids) * config.block_tokens)
+
+
+def select_requests(
+    lineages: Sequence[Lineage], prompt_lengths: Sequence[int], config: WorkloadConfig
+) -> list[int]:
+    """Trace indexes of the slice (see the module docstring), in arrival order."""
+    kept: set[int] = set()
+    by_session: dict[int, list[int]] = {}
+    for index, (parent, session, turn) in enumerate(lineages):
+        continues = parent is None or parent in kept
+        if continues and turn < config.max_turns and config.fits(prompt_lengths[index]):
+            kept.add(index)
+            by_session.setdefault(session, []).append(index)
+    chosen = [s for s in by_session.values() if len(s) >= config.min_turns][: config.sessions]
+    if not chosen:
+        raise KVMapError(
+            f"no session of {config.trace_path} has {config.min_turns} turns of at most "
+            f"{config.max_prompt_tokens} tokens at scale {config.scale}; lower min_turns or "
+            "raise max_prompt_tokens"
+        )
+    return sorted(chain.from_iterable(chosen))
+
+
+def block_windows(
+    stream: TokenStream, block_ids: Iterable[int], block_tokens: int
+) -> dict[int, tuple[int, ...]]:
+    """Each distinct block id's own window ``[block_tokens]`` of the stream (in id order)."""
+    return {
+        block: stream.window(slot * block_tokens, block_tokens)
+        for slot, block in enumerate(sorted(set(block_ids)))
+    }
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def mooncake_workload(
+    requests: Sequence[MooncakeRequest], config: WorkloadConfig, stream: TokenStream
+) -> list[Turn]:
+    """The slice of a Mooncake trace as turns with prompts of held-out text."""
+    lineages = derive_sessions([r.hash_ids for r in requests])
+    lengths = [mooncake_prompt_length(r, config) for r in requests]
+    chosen = select_requests(lineages, lengths, config)
+    blocks = block_windows(
+        stream, (b for i in chosen for b in requests[i].hash_ids), config.block_tokens
+    )
+    prompts = {
+        i: tuple(chain.from_iterable(blocks[b] for b in requests[i].hash_ids))[: lengths[i]]
+        for i in chosen
+    }
+    sessions = first_arrival_numbers(lineages[i].session for i in chosen)
+    start_ms = requests[chosen[0]].timestamp_ms
+    turns = []
+    for request, index in enumerate(chosen):
+        parent, session, turn = lineages[index]
+        tokens = prompts[index]
+        shared = 0 if parent is None else common_prefix_length(tokens, prompts[parent])
+        turns.append(
+            Turn(
+                request=request,
+                session=sessions[session],
+                turn=turn,
+                arrival_s=(requests[index].timestamp_ms - start_ms) / 1000,
+                tokens=tokens,
+                new_tokens=len(tokens) - shared,
+                output_tokens=config.scaled(requests[index].output_length),
+            )
+        )
+    return turns
+
+
+def first_arrival_numbers(keys: Iterable[int]) -> dict[int, int]:
+    """0, 1, 2, ... for ``keys`` in order of first appearance."""
+    numbers: dict[int, int] = {}
+    for key in keys:
+        numbers.setdefault(key, len(numbers))
+    return numbers
+
+
+# ---- SGLang's agentic trace -------------------------------------------------------------------
+
+
+def agentic_conversations(text: str, path: Path) -> list[list[dict]] | None:
+    """The conversations of an agentic-trace JSON object (each a list of turns with new
+    ``messages``), or None when ``text`` is not one JSON object with "conversations"."""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(data, dict) or "conversations" not in data:
+        return None
+    conversations = data["conversations"]
+    if not isinstance(conversations, list) or not all(_is_conversation(c) for c in conversations):
+        raise KVMapError(
+            f'trace {path}: "conversations" must be a list of conversations, each a list of '
+            'turns {"messages": [{"role": ..., "content": ...}, ...]}'
+        )
+    return conversations
+
+
+def _is_conversation(conversation) -> bool:
+    return isinstance(conversation, list) and all(
+        isinstance(turn, dict)
+        and isinstance(turn.get("messages", []), list)
+        and all(isinstance(m, dict) and "role" in m for m in turn.get("messages", []))
+        for turn in conversation
+    )
+
+
+def content_text(content) -> str:
+    """A message's content as text (OpenAI multi-part content: its text parts joined)."""
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return "" if content is None else str(content)
+
+
+def messages_text(messages: Sequence[dict]) -> str:
+    """New messages as plain text, one ``"role: content\\n"`` each."""
+    return "".join(f"{m['role']}: {content_text(m.get('content'))}\n" for m in messages)
+
+
+def last_user_text(messages: Sequence[dict]) -> str:
+    """The last user message's content (all the new messages' text when none is a user's)."""
+    users = [m for m in messages if m.get("role") == "user"]
+    return content_text(users[-1].get("content")) if users else messages_text(messages)
+
+
+def agentic_output_tokens(turn: dict, config: WorkloadConfig) -> int:
+    length = turn.get("output_tokens") or turn.get("completion_tokens")
+    return config.scaled(int(length or DEFAULT_AGENTIC_OUTPUT_TOKENS))
+
+
+class SessionTurns(NamedTuple):
+    turns: list[Turn]  # session and request numbers still to be assigned
+    answer_tokens: int  # stream tokens the answer stand-ins used
+
+
+def agentic_session(
+    conversation: Sequence[dict],
+    config: WorkloadConfig,
+    tokenizer,
+    stream: TokenStream,
+    answers_at: int,
+) -> SessionTurns:
+    """One conversation's turns (up to max_turns, while prompts fit), answer stand-ins drawn
+    from the stream from ``answers_at`` on."""
+    turns: list[Turn] = []
+    prompt: tuple[int, ...] = ()
+    used = 0
+    for raw in [t for t in conversation if t.get("messages")][: config.max_turns]:
+        message_ids = tokenize(tokenizer, messages_text(raw["messages"]))
+        message_ids = message_ids[: config.scaled(len(message_ids))]
+        answer_length = turns[-1].output_tokens if turns else 0
+        if not config.fits(len(prompt) + answer_length + len(message_ids)):
+            break
+        answer = stream.window(answers_at + used, answer_length) if answer_length else ()
+        used += answer_length
+        prompt = prompt + answer + message_ids
+        turns.append(
+            Turn(
+                request=-1,
+                session=-1,
+                turn=len(turns),
+                arrival_s=0.0,
+                tokens=prompt,
+                new_tokens=len(answer) + len(message_ids),
+                output_tokens=agentic_output_tokens(raw, config),
+                text=last_user_text(raw["messages"]),
+            )
+        )
+    return SessionTurns(turns, used)
+
+
+def agentic_workload(
+    conversations: Sequence[Sequence[dict]], config: WorkloadConfig, tokenizer, stream: TokenStream
+) -> list[Turn]:
+    """The slice of an agentic trace, round by round (every session's turn 0, then turn 1, ...)."""
+    sessions: list[list[Turn]] = []
+    answers_at = 0
+    for conversation in conversations:
+        if len(sessions) == config.sessions:
+            break
+        session = agentic_session(conversation, config, tokenizer, stream, answers_at)
+        if len(session.turns) >= config.min_turns:
+            sessions.append(session.turns)
+            answers_at += session.answer_tokens
+    if not sessions:
+        raise KVMapError(
+            f"no conversation of {config.trace_path} has {config.min_turns} turns of at most "
+            f"{config.max_prompt_tokens} tokens at scale {config.scale}; lower min_turns or "
+            "raise max_prompt_tokens"
+        )
+    rounds = sorted(
+        ((t.turn, number, t) for number, turns in enumerate(sessions) for t in turns),
+        key=lambda item: item[:2],
+    )
+    return [_numbered(turn, request, session) for request, (_, session, turn) in enumerate(rounds)]
+
+
+def _numbered(turn: Turn, request: int, session: int) -> Turn:
+    return replace(turn, request=request, session=session)
+
+
+# ---- what an oracle could reuse
+
+
+def ideal_reuse(turns: list[Turn], page_size: int) -> list[int]:
+    """Per request, the tokens an oracle cache shared by both models (infinite, perfect
+    translation) could reuse: the longest prefix of its prompt, in whole pages, equal to a prefix
+    of an earlier request's prompt, capped at ``(len(tokens) - 1) // page_size * page_size`` (a
+    server computes at least the last token). A trie of pages: linear in the prompt tokens."""
+    children: dict[tuple[int, object], int] = {}
+    reuse = []
+    for turn in turns:
+        pages = whole_pages(turn.tokens, page_size)
+        _, matched = _deepest_match(children, pages)
+        reuse.append(min(matched * page_size, (len(turn.tokens) - 1) // page_size * page_size))
+        _insert_path(children, pages)
+    return reuse
+
+
+def whole_pages(tokens: Sequence[int], page_size: int) -> list[tuple[int, ...]]:
+    """``tokens`` cut into pages ``[page_size]``, a partial last page dropped."""
+    whole = len(tokens) // page_size * page_size
+    return [tuple(tokens[i : i + page_size]) for i in range(0, whole, page_size)]
+
+
+class WorkloadSummary(NamedTuple):
+    requests: int
+    sessions: int
+    max_turns: int  # the most turns of one session
+    prompt_tokens: int  # in all
+    mean_prompt_tokens: float
+    max_prompt_tokens: int
+    ideal_reuse_tokens: int  # in all (ideal_reuse)
+    ideal_reuse_share: float  # of all prompt tokens
+
+
+def summarize(turns: list[Turn], page_size: int) -> WorkloadSummary:
+    """What a slice looks like: its size and the share of its prompt tokens an oracle reuses."""
+    lengths = [len(t.tokens) for t in turns]
+    reuse = sum(ideal_reuse(turns, page_size))
+    return WorkloadSummary(
+        requests=len(turns),
+        sessions=len({t.session for t in turns}),
+        max_turns=max(t.turn for t in turns) + 1,
+        prompt_tokens=sum(lengths),
+        mean_prompt_tokens=sum(lengths) / len(lengths),
+        max_prompt_tokens=max(lengths),
+        ideal_reuse_tokens=reuse,
+        ideal_reuse_share=reuse / sum(lengths),
+    )
