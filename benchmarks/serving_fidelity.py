@@ -15,7 +15,7 @@ continues the window (teacher-forced: it computes from token ``prefix-len`` on a
 - served (a): a fresh 1.5B engine, every history page translated by KVMapStorage (first page
   included); served (b): a 1.5B engine whose tree holds the first page of its own (a shared
   opening), the rest translated; served (a) + tail: ``tail_pages`` 1, the last history page
-  computed by the 1.5B itself. Engines are tests/sglang_server.py (SGLang 0.5.23's own cache
+  computed by the 1.5B itself. Engines are sgl_kvmap/sglang/engine.py (SGLang 0.5.23's own cache
   classes and scheduler calls on CPU, bfloat16 pools).
 
 Retention (accuracy over the reference's) and gap closed ((condition - source) / (reference -
@@ -63,7 +63,7 @@ SERVED = {
     "--out", type=click.Path(dir_okay=False), default=str(RESULTS / "serving_fidelity.json")
 )
 def main(pack, windows, prefix_len, continuation, page, out) -> None:
-    from tests.sglang_server import Engine
+    from sgl_kvmap.sglang.engine import Engine
 
     if prefix_len % page:
         raise click.BadParameter("the history must be whole pages", param_hint="--prefix-len")

@@ -11,7 +11,7 @@ file reads and translation into the host pool, insert_host, the load-back). Besi
 same work without the file reads and SGLang's bookkeeping (``hand_over_seconds``, what
 ``sglang-args`` times), the prefetch deadline ``sgl-kvmap sglang-args`` sets on this machine,
 and the 1.5B's own prefill of the prompt (up to ``--prefill-up-to`` tokens; it grows fast).
-Engines are tests/sglang_server.py.
+Engines are sgl_kvmap/sglang/engine.py.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ RESULTS = Path(__file__).parent / "results"
     "--out", type=click.Path(dir_okay=False), default=str(RESULTS / "sglang_storage_speed.json")
 )
 def main(pack, lengths, page, threads, prefill_up_to, out) -> None:
-    from tests.sglang_server import Engine
+    from sgl_kvmap.sglang.engine import Engine
 
     names = str(ensure_model(SMALL)), str(ensure_model(LARGE))
     small, large = load_model(names[0]), load_model(names[1])

@@ -143,7 +143,7 @@ def test_real_pack_round_trip(fitted, pair, tmp_path):
 
 
 def test_sglang_hands_a_real_prefix_from_the_0_5b_to_a_fresh_1_5b(fitted, pair, tmp_path):
-    """SGLang 0.5.23's own control flow (tests/sglang_server.py): the 1.5B engine, which never
+    """SGLang 0.5.23's own control flow (sgl_kvmap/sglang/engine.py): the 1.5B engine, which never
     saw the session, continues from the pages the 0.5B engine stored, translated by
     KVMapStorage at their true positions, exactly as from the pack's own map."""
     import dataclasses
@@ -152,7 +152,7 @@ def test_sglang_hands_a_real_prefix_from_the_0_5b_to_a_fresh_1_5b(fitted, pair, 
     from sgl_kvmap.sglang import PeerSettings, StorageSettings
     from sgl_kvmap.sglang.launch import sglang_extra_config
 
-    from .sglang_server import PAGE, Engine
+    from sgl_kvmap.sglang.engine import PAGE, Engine
 
     small, large = pair
     pack = dataclasses.replace(fitted[0][0], sink_tokens=4).save_pretrained(tmp_path / "pack")

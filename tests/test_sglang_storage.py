@@ -1,10 +1,10 @@
-"""The SGLang extension along the route a live SGLang 0.5.23 server takes (tests/sglang_server.py):
+"""The SGLang extension along the route a live SGLang 0.5.23 server takes (sgl_kvmap/sglang/engine.py):
 engines of two models share a file store through KVMapStorage; sessions move between them.
 
 Every scenario checks that the KV in the receiving engine's device pool equals the reference
 translation (the pack's ``KVMapper.map`` of what the sending engine stored) at the tokens' TRUE
 positions, and that the receiving model's logits over its pool match the logits over that
-reference. Substitutions are listed in tests/sglang_server.py.
+reference. Substitutions are listed in sgl_kvmap/sglang/engine.py.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from sgl_kvmap.sglang import PeerSettings, StorageSettings
 from sgl_kvmap.sglang.launch import sglang_extra_config
 
 from .conftest import fit_tiny_mapper, save_loaded
-from .sglang_server import PAGE, Engine, page_keys
+from sgl_kvmap.sglang.engine import PAGE, Engine, page_keys
 
 torch.manual_seed(0)
 
@@ -489,7 +489,7 @@ def test_tensor_parallel_ranks_translate_their_own_heads(
     those heads at the true positions."""
     from sgl_kvmap.sglang.heads import rank_heads
 
-    from .sglang_server import TPGroup
+    from sgl_kvmap.sglang.engine import TPGroup
 
     names, models, pack = two_head_pair
     store = str(tmp_path / "store")

@@ -1,4 +1,5 @@
-"""One SGLang 0.5.23 scheduler's KV-cache half on CPU, driven along the route a live server takes.
+"""One SGLang 0.5.23 scheduler's KV-cache half on CPU, driven along the route a live server takes
+(the extension's tests and the in-process engines of ``sgl-kvmap bench``).
 
 ``Engine`` is built by SGLang's own factory (``mem_cache.registry.create_unified_radix_cache``)
 under the server arguments ``sgl-kvmap sglang-args`` emits (HiCache, page_first host layout,
@@ -42,6 +43,7 @@ import atexit
 import json
 import time
 from array import array
+from collections import Counter
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -117,11 +119,28 @@ def page_keys(tokens: list[int]) -> list[str]:
 class Served:
     """One request's outcome. reused: prompt tokens whose KV came from the tree, the host pool
     or storage (not computed); slots: the device slots of every prompt token; logits: the
-    model's logits for the computed tokens, [computed, vocab]."""
+    model's logits for the computed tokens, [computed, vocab]; tiers: where the reused tokens
+    came from (``Tiers``)."""
 
     reused: int
     slots: torch.Tensor
     logits: torch.Tensor
+    tiers: Tiers | None = None
+
+
+@dataclass
+class Tiers:
+    """Where a request's reused prompt tokens came from, in the order the scheduler looks:
+    device (the radix tree on the device), host (the HiCache host pool), storage (pages this
+    model stored), translated (pages another model stored, translated by KVMapStorage);
+    fallbacks: the pages KVMapStorage could not translate during this request's prefetch, by
+    reason."""
+
+    device: int
+    host: int
+    storage: int
+    translated: int
+    fallbacks: dict[str, int]
 
 
 class _Worker:
@@ -174,6 +193,7 @@ class Engine:
         # what Scheduler._prefetch_kvcache reads from its scheduler
         self.tree_cache, self.enable_hicache_storage, self.enable_lmcache = self.tree, True, False
         self._served = 0
+        self.last_tiers: Tiers | None = None
 
     def _build(self, server_args, tp_rank: int, tp_size: int, dtype: torch.dtype) -> None:
         spec = self.model.spec
@@ -228,7 +248,7 @@ class Engine:
         past = self.pool_kv(slots[: req.prefix_len]) if req.prefix_len else None
         logits = self.compute(tokens, slots, req.prefix_len, past)
         self.finish(req, logits)
-        return Served(req.prefix_len, slots, logits)
+        return Served(req.prefix_len, slots, logits, self.last_tiers)
 
     def begin(self, tokens: list[int]) -> tuple[Req, torch.Tensor]:
         """Steps 1-4: prefetch, admission, allocation and load-back. Returns the request and
@@ -237,11 +257,14 @@ class Engine:
         req = Req(
             f"{self.name}-{self._served}", "", array("q", tokens), SamplingParams(max_new_tokens=1)
         )
+        counted = Counter(self.storage.counters)
         Scheduler._prefetch_kvcache(self, req)
+        device, host = req.prefix_len, req.host_hit_length
         self._pump_until(lambda: self.tree.check_prefetch_progress(req.cache_request_handle))
         self.tree.pop_prefetch_loaded_span(req.cache_request_handle)
         req.init_next_round_input(self.tree)
         self._admit(req)
+        self.last_tiers = self._tiers(req.prefix_len, device, host, counted)
         batch = ScheduleBatch.init_new(
             [req],
             self.requests,
@@ -256,6 +279,20 @@ class Engine:
         batch.prepare_for_extend()
         self.tree.ready_to_load_host_cache()
         return req, self.requests.req_to_token[req.kv.req_pool_idx, : len(tokens)].clone()
+
+    def _tiers(self, reused: int, device: int, host: int, counted: Counter) -> Tiers:
+        """Split ``reused`` tokens by tier; ``counted``: the storage's counters before the
+        prefetch (its translated pages since then were translated for this request)."""
+        new = Counter(self.storage.counters)
+        new.subtract(counted)
+        from_storage = reused - device - host
+        translated = min(from_storage, new["translated_pages"] * self.page_size)
+        fallbacks = {
+            name.removeprefix("fallback."): n
+            for name, n in new.items()
+            if name.startswith("fallback.") and n > 0
+        }
+        return Tiers(device, host, from_storage - translated, translated, fallbacks)
 
     def compute(self, tokens, slots, prefix: int, past: KVCache | None) -> torch.Tensor:
         """Step 5: the model over tokens[prefix:] after ``past`` (every KV head), writing this

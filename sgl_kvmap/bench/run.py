@@ -1,0 +1,159 @@
+"""``sgl-kvmap bench``: the workload routed by every policy, replayed in every mode.
+
+A policy that swaps nothing is replayed once (reprefill: no mode changes a request that stays on
+its model's own cache). Every other policy is replayed in reprefill first (its answers are the
+quality reference), then in each translating mode, each replay on fresh engines and a fresh
+store (``replay.replay``).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shlex
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import date
+from pathlib import Path
+
+from ..core.errors import KVMapError
+from ..core.files import replacing_folder
+from ..fitting.config import CalibrationConfig, PackRecipe
+from .records import MODES, REFERENCE_MODE, RequestRecord
+from .replay import Deployment, ReplayPlan, replay
+from .routing import DEFAULT_POLICIES, parse_policy, swapped
+from .workload import Turn, WorkloadConfig, ideal_reuse
+
+# A pack the default run can build in minutes on a CPU when none is cached or on the Hub: the
+# library's reduced-rank map on a quarter of the default calibration budget, not tuned.
+BENCH_RECIPE = PackRecipe(CalibrationConfig(tokens=4096, rank="auto"), tuning=None)
+RECORDS_FILE = "records.jsonl"
+RUN_FILE = "run.json"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What one benchmark run replays. policies: routing policy names (``routing``); modes: how
+    swapped requests are served (``records.MODES``; reprefill always runs, it is the reference);
+    quality_tokens: the greedy answer judged on swapped requests; device_tokens: each engine's
+    device KV pool (its host pool is twice that, SGLang's default ratio)."""
+
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    policies: tuple[str, ...] = DEFAULT_POLICIES
+    modes: tuple[str, ...] = MODES
+    quality_tokens: int = 16
+    device_tokens: int = 8192
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in self.policies:
+            parse_policy(name)
+        unknown = sorted(set(self.modes) - set(MODES))
+        if unknown or not self.modes:
+            raise KVMapError(f"unknown mode(s) {unknown}; modes are {', '.join(MODES)}")
+        if self.quality_tokens < 1:
+            raise KVMapError(f"quality_tokens must be >= 1, got {self.quality_tokens}")
+        if self.device_tokens < 2 * self.workload.page_size:
+            raise KVMapError(f"device_tokens {self.device_tokens} is smaller than two pages")
+
+    @property
+    def replayed_modes(self) -> tuple[str, ...]:
+        """Reprefill first (the reference), then the translating modes asked for."""
+        return (REFERENCE_MODE, *(m for m in self.modes if m != REFERENCE_MODE))
+
+
+def plan(turns: list[Turn], config: BenchConfig) -> list[tuple[ReplayPlan, tuple[str, ...]]]:
+    """Each policy's routing of ``turns`` and the modes it is replayed in."""
+    ideal = ideal_reuse(turns, config.workload.page_size)
+    plans = []
+    for name in config.policies:
+        models = parse_policy(name).route(turns, config.seed)
+        flags = swapped(turns, models)
+        modes = config.replayed_modes if any(flags) else (REFERENCE_MODE,)
+        plans.append((ReplayPlan(name, turns, models, flags, ideal), modes))
+    return plans
+
+
+def run_bench(
+    deployment: Deployment,
+    turns: list[Turn],
+    config: BenchConfig,
+    on_request: Callable[[RequestRecord], None] | None = None,
+) -> list[RequestRecord]:
+    """Every (policy, mode) replay of ``turns``; the records in replay order."""
+    records = []
+    for replay_plan, modes in plan(turns, config):
+        for mode in modes:
+            records += replay(
+                deployment,
+                replay_plan,
+                mode,
+                quality_tokens=config.quality_tokens,
+                device_tokens=config.device_tokens,
+                page_size=config.workload.page_size,
+                on_request=on_request,
+            )
+    return records
+
+
+def replays_of(turns: list[Turn], config: BenchConfig) -> int:
+    """How many requests the run serves (for a progress bar)."""
+    return sum(len(turns) * len(modes) for _, modes in plan(turns, config))
+
+
+def header(
+    config: BenchConfig, deployment: Deployment, turns: list[Turn], command: list[str]
+) -> dict:
+    """The run's facts, printed above its figures."""
+    workload = config.workload
+    return {
+        "command": shlex.join(command),
+        "pair": f"small {deployment.names['small']} <-> large {deployment.names['large']}",
+        "packs": {f"{a}->{b}": str(p) for (a, b), p in deployment.packs.items()},
+        "trace": str(workload.trace_path),
+        "scale": f"1/{workload.scale} (blocks of {workload.block_tokens} tokens)",
+        "requests": len(turns),
+        "sessions": len({t.session for t in turns}),
+        "page_size": workload.page_size,
+        "date": date.today().isoformat(),
+        "machine": f"{platform.machine()}, {_cores()} cores, CPU (in-process SGLang engines)",
+        "config": _config_json(config),
+    }
+
+
+def save_run(records: list[RequestRecord], run_header: dict, out: Path) -> Path:
+    """records.jsonl, run.json and the report (summary.md, plots) into ``out``, all at once."""
+    from .report import write_report
+
+    with replacing_folder(out, _only_an_earlier_run) as folder:
+        lines = (json.dumps(r.to_json()) + "\n" for r in records)
+        (folder / RECORDS_FILE).write_text("".join(lines))
+        (folder / RUN_FILE).write_text(json.dumps(run_header, indent=2) + "\n")
+        write_report(records, run_header, folder)
+    return out / "summary.md"
+
+
+def _only_an_earlier_run(folder: Path) -> None:
+    """Refuse to replace ``folder`` unless it holds only what a benchmark run writes."""
+    from .report import FIGURES, SUMMARY_FILE
+
+    ours = {RECORDS_FILE, RUN_FILE, SUMMARY_FILE, *FIGURES}
+    if not folder.is_dir() or folder.is_symlink() or not (folder / RUN_FILE).is_file():
+        raise KVMapError(
+            f"{folder} exists and is not a benchmark run's output; choose another --out"
+        )
+    foreign = sorted(p.name for p in folder.iterdir() if p.name not in ours)
+    if foreign:
+        raise KVMapError(f"{folder} holds files a benchmark run did not write: {foreign}")
+
+
+def _cores() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def _config_json(config: BenchConfig) -> dict:
+    data = asdict(config)
+    data["workload"]["trace"] = str(config.workload.trace_path)
+    return data

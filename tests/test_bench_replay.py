@@ -1,0 +1,200 @@
+"""`sgl-kvmap bench`'s replays on tiny models: two engines built from SGLang 0.5.23's own cache
+classes (sgl_kvmap/sglang/engine.py, whose CPU substitutions are listed there) share a file store
+through KVMapStorage, and a hand-made Mooncake-shaped trace is routed across them.
+
+Substituted: the models are tiny random transformers with a character tokenizer (the real pair
+runs in tests/test_realpair.py and benchmarks/results/bench_*); the held-out text is this
+repository's own sources.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from sgl_kvmap.bench.records import MODES, TIERS
+from sgl_kvmap.bench.replay import Deployment, ReplayPlan, replay
+from sgl_kvmap.bench.routing import parse_policy, swapped
+from sgl_kvmap.bench.run import BenchConfig, plan, run_bench
+from sgl_kvmap.bench.workload import WorkloadConfig, ideal_reuse, load_workload
+from sgl_kvmap.core.cache import KVCache
+from sgl_kvmap.core.mapper import KVMapper
+from sgl_kvmap.models.capture import capture_kv, load_model
+
+from .conftest import fit_tiny_mapper, save_loaded
+
+PAGE = 8
+TEXT = sorted((Path(__file__).parent.parent / "sgl_kvmap").rglob("*.py"))
+
+# Four sessions of 2-3 turns; every session opens with block 0 (the trace's shared system
+# prompt) and each later turn extends its previous prompt, as in the Mooncake trace.
+TRACE = [
+    (0, 96, [0, 1, 2]),
+    (10, 80, [0, 3, 4]),
+    (20, 150, [0, 1, 2, 5, 6]),
+    (30, 140, [0, 3, 4, 7, 8]),
+    (40, 120, [0, 9, 10, 11]),
+    (50, 210, [0, 1, 2, 5, 6, 12, 13]),
+    (60, 90, [0, 14, 15]),
+    (70, 170, [0, 9, 10, 11, 16, 17]),
+    (80, 150, [0, 14, 15, 18, 19]),
+]
+
+
+@pytest.fixture(scope="module")
+def deployment(tiny_pair, tmp_path_factory) -> Deployment:
+    """ "small" (3 layers x 2 KV heads x 16) and "large" (4 layers x 1 KV head x 32) with a pack
+    each way, served under their folders' names."""
+    root = tmp_path_factory.mktemp("bench")
+    names = [save_loaded(m, root / n) for m, n in zip(tiny_pair, ("small", "large"))]
+    models = [load_model(name) for name in names]
+    packs = {}
+    for s, t in ((0, 1), (1, 0)):
+        mapper = dataclasses.replace(fit_tiny_mapper(models[s], models[t]), sink_tokens=4)
+        packs[("small", "large")[s], ("small", "large")[t]] = str(
+            mapper.save_pretrained(root / f"pack_{s}{t}")
+        )
+    return Deployment(
+        dict(zip(("small", "large"), models)), dict(zip(("small", "large"), names)), packs
+    )
+
+
+@pytest.fixture(scope="module")
+def turns(deployment, tmp_path_factory):
+    trace = tmp_path_factory.mktemp("trace") / "trace.jsonl"
+    rows = [
+        {"timestamp": t, "input_length": n * 16, "output_length": 64, "hash_ids": ids}
+        for t, n, ids in TRACE
+    ]
+    trace.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = WorkloadConfig(str(trace), scale=16, sessions=4, max_prompt_tokens=None)
+    return load_workload(config, deployment.models["small"].tokenizer, text_files=TEXT)
+
+
+@pytest.fixture(scope="module")
+def records(deployment, turns):
+    """Every mode of an alternating and a sticky routing, with the sender's translations
+    checked as they are served (``translations``)."""
+    config = BenchConfig(
+        WorkloadConfig(page_size=PAGE), policies=("sticky", "alternate"), quality_tokens=4
+    )
+    return run_bench(deployment, turns, config)
+
+
+def of(records, policy, mode):
+    return [r for r in records if r.policy == policy and r.mode == mode]
+
+
+def test_the_trace_makes_sessions_that_share_prefixes(turns):
+    assert [t.session for t in turns] == [0, 1, 0, 1, 2, 0, 3, 2, 3]
+    assert [t.turn for t in turns] == [0, 0, 1, 1, 0, 2, 0, 1, 1]
+
+
+def test_per_tier_counts_add_up_to_the_prompt(records):
+    assert {(r.policy, r.mode) for r in records} == {("sticky", "reprefill")} | {
+        ("alternate", m) for m in MODES
+    }
+    for r in records:
+        assert sum(r.reused[t] for t in TIERS) + r.computed == r.prompt_tokens
+        assert min(r.reused.values()) >= 0 and r.computed >= 1
+        assert r.ttft_s > 0
+
+
+def test_sticky_routing_swaps_and_translates_nothing(records):
+    sticky = of(records, "sticky", "reprefill")
+    assert not any(r.swapped for r in sticky) and {r.model for r in sticky} == {"small"}
+    assert all(r.reused["translated"] == 0 and r.quality is None for r in sticky)
+    # one model serving everything reuses, from its device cache, all an oracle could
+    assert [r.reused["device"] for r in sticky] == [r.ideal_reuse_tokens for r in sticky]
+
+
+def test_reprefill_translates_nothing_and_the_translating_modes_save_prefill(records):
+    reprefill = of(records, "alternate", "reprefill")
+    assert all(r.reused["translated"] == 0 for r in reprefill)
+    for mode in ("translated", "tail"):
+        served = of(records, "alternate", mode)
+        swaps = [r for r in served if r.swapped]
+        # a model's pages computed over translated KV are never stored for translation back,
+        # so a swap back to the first model finds only its own pages: not every swap translates
+        assert sum(r.reused["translated"] > 0 for r in swaps) >= 4
+        assert sum(r.computed for r in swaps) < sum(r.computed for r in reprefill if r.swapped)
+        assert all(r.quality is not None and 0 <= r.quality.agreement <= 1 for r in swaps)
+    # the tail recomputes the last page of every translated run
+    for t, f in zip(of(records, "alternate", "tail"), of(records, "alternate", "translated")):
+        if t.swapped and f.reused["translated"]:
+            assert t.reused["translated"] == f.reused["translated"] - PAGE
+
+
+def test_reuse_never_exceeds_what_an_oracle_could_reuse(records):
+    for r in records:
+        assert r.prompt_tokens - r.computed <= r.ideal_reuse_tokens
+
+
+def test_every_translated_request_holds_the_reference_translation(deployment, turns):
+    """Tokens a swapped request got by translation hold the pack's map of the sender's KV at
+    their true positions (bfloat16 pools; the sender's KV recomputed here in one forward, so
+    the comparison allows bfloat16 rounding and a different reduction order)."""
+    config = BenchConfig(WorkloadConfig(page_size=PAGE), policies=("alternate",), quality_tokens=2)
+    ((replay_plan, _),) = plan(turns, config)
+    replay(deployment, replay_plan, "reprefill", quality_tokens=2, page_size=PAGE)
+    checked = []
+
+    def check(engine, i, slots, record):
+        n = record.reused["translated"]
+        if not n:
+            return
+        start = record.prompt_tokens - record.computed - n
+        sender = replay_plan.models[i] == "large" and "small" or "large"
+        mapper = KVMapper.from_pretrained(deployment.packs[sender, replay_plan.models[i]])
+        ids = torch.tensor(turns[i].tokens[: start + n])
+        source = capture_kv(deployment.models[sender].model, ids)
+        sent = KVCache(
+            [k[start:].bfloat16().float() for k in source.keys],
+            [v[start:].bfloat16().float() for v in source.values],
+            torch.arange(start, start + n),
+        )
+        want = mapper.map(sent)
+        got = engine.pool_kv(slots[start : start + n])
+        for g, w in zip(got.keys + got.values, want.keys + want.values):
+            torch.testing.assert_close(g.float(), w.float(), rtol=0.05, atol=0.05)
+        moved = mapper.map(dataclasses.replace(sent, positions=sent.positions + 64))
+        assert not torch.allclose(got.keys[1].float(), moved.keys[1].float(), rtol=0.05, atol=0.05)
+        checked.append(i)
+
+    replay(deployment, replay_plan, "translated", quality_tokens=2, page_size=PAGE, inspect=check)
+    assert len(checked) >= 3
+
+
+def test_a_request_that_falls_back_computes_what_reprefill_computes(deployment, turns):
+    """With ``sinks: native`` a swap into an engine without its own copy of the prefix's first
+    page is not translated (fallback ``no_native_sink_page``): it must compute exactly what the
+    same request computes under re-prefill."""
+    config = BenchConfig(WorkloadConfig(page_size=PAGE), policies=("alternate",), quality_tokens=2)
+    ((replay_plan, _),) = plan(turns, config)
+    reference = replay(deployment, replay_plan, "reprefill", quality_tokens=2, page_size=PAGE)
+    served = replay(
+        deployment,
+        replay_plan,
+        "translated",
+        quality_tokens=2,
+        page_size=PAGE,
+        overrides={"sinks": "native"},
+    )
+    fell_back = [
+        (r, ref) for r, ref in zip(served, reference) if r.fallbacks.get("no_native_sink_page")
+    ]
+    assert fell_back
+    for r, ref in fell_back:
+        assert r.reused["translated"] == 0
+        assert r.computed == ref.computed and r.reused == ref.reused
+
+
+def test_translating_modes_need_the_reference_replay_first(deployment, turns):
+    models = parse_policy("alternate").route(turns)
+    fresh = ReplayPlan("alternate", turns, models, swapped(turns, models), ideal_reuse(turns, PAGE))
+    with pytest.raises(Exception, match="reprefill"):
+        replay(deployment, fresh, "translated", page_size=PAGE)
