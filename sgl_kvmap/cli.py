@@ -19,6 +19,9 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
+from .bench.records import MODES
+from .bench.run import BenchConfig
+from .bench.workload import WorkloadConfig
 from .core.errors import KVMapError
 from .fitting.config import (
     AUTO_K,
@@ -35,6 +38,7 @@ from .sglang.settings import INNER_BACKENDS, StorageSettings
 
 # the defaults every option shows and falls back to (sgl_kvmap/fitting/config.py)
 PACK, TUNE, EVAL, DEMO = PackRecipe(), TuneConfig(), EvalConfig(), DemoConfig()
+WORKLOAD, BENCH = WorkloadConfig(), BenchConfig()
 SWEEPS_HELP = (
     "0: the source decodes its draft greedily, one token per forward; S: it guesses the draft "
     "by prompt lookup and refines it in S parallel forwards (Jacobi sweeps)."
@@ -756,6 +760,137 @@ def demo(
         ctx, EvalConfig, prefix_len, continuation, tail, windows, repair, bench_tokens
     )
     click.echo(run_demo(out, DemoConfig(recipe, evaluation)))
+
+
+@main.command()
+@click.option("--small", help="The small model (folder or Hub id). Default: the embedded 0.5B.")
+@click.option("--large", help="The large model (folder or Hub id). Default: the embedded 1.5B.")
+@click.option(
+    "--pack-up",
+    help="Pack small -> large (folder or REPO_ID[@REV]). Default: the registry's, else built.",
+)
+@click.option("--pack-down", help="Pack large -> small, likewise.")
+@click.option(
+    "--trace",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Mooncake-style JSONL (hash_ids) or SGLang's agentic-trace JSON. Default: the bundled "
+    "Mooncake conversation trace.",
+)
+@click.option(
+    "--scale",
+    type=COUNT,
+    default=WORKLOAD.scale,
+    show_default=True,
+    help="Divide the trace's 512-token blocks and every length by this (for a CPU).",
+)
+@click.option("--sessions", type=COUNT, default=WORKLOAD.sessions, show_default=True)
+@click.option("--min-turns", type=COUNT, default=WORKLOAD.min_turns, show_default=True)
+@click.option("--max-turns", type=COUNT, default=WORKLOAD.max_turns, show_default=True)
+@click.option(
+    "--max-prompt-tokens",
+    type=PROMPT,
+    default=WORKLOAD.max_prompt_tokens,
+    show_default=True,
+    help="Drop a session's turns from the first longer prompt on (after scaling).",
+)
+@click.option(
+    "--policy",
+    "policies",
+    multiple=True,
+    default=BENCH.policies,
+    show_default=True,
+    help="Routing policies (repeat): sticky, alternate, swap-P, escalate-K, router-N, "
+    "router-WORD[,WORD...].",
+)
+@click.option(
+    "--mode",
+    "modes",
+    multiple=True,
+    type=click.Choice(MODES),
+    default=BENCH.modes,
+    show_default=True,
+    help="How swapped requests are served (repeat); reprefill always runs, as the reference.",
+)
+@click.option(
+    "--quality-tokens",
+    type=COUNT,
+    default=BENCH.quality_tokens,
+    show_default=True,
+    help="Greedy answer tokens judged on each swapped request.",
+)
+@click.option(
+    "--device-tokens",
+    type=click.IntRange(min=64),
+    default=BENCH.device_tokens,
+    show_default=True,
+    help="Each engine's device KV pool in tokens (its host pool holds twice that).",
+)
+@click.option("--seed", type=AMOUNT, default=BENCH.seed, show_default=True)
+@click.option(
+    "--out",
+    default="kvmap-bench",
+    show_default=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Folder for records.jsonl, run.json, summary.md and the plots (replaced if it holds "
+    "an earlier run).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the summary rows as JSON.")
+@click.pass_context
+def bench(
+    ctx,
+    small,
+    large,
+    pack_up,
+    pack_down,
+    trace,
+    scale,
+    sessions,
+    min_turns,
+    max_turns,
+    max_prompt_tokens,
+    policies,
+    modes,
+    quality_tokens,
+    device_tokens,
+    seed,
+    out,
+    as_json,
+) -> None:
+    """Benchmark prefix reuse across model swaps on a request trace.
+
+    Sessions of the trace are routed between a small and a large model by each policy and
+    replayed on two in-process SGLang engines (SGLang's radix tree, HiCache host pool and a
+    shared store through sgl-kvmap's storage backend) in each mode; writes one record per
+    request, a summary and plots, and prints the summary.
+    """
+    from tqdm import tqdm
+
+    from .bench.report import summarize, summary_markdown
+    from .bench.run import header, load_deployment, replays_of, run_bench, save_run
+    from .bench.workload import load_workload
+
+    workload = _config(
+        ctx, WorkloadConfig, trace, scale, sessions, min_turns, max_turns, max_prompt_tokens
+    )
+    config = _config(
+        ctx, BenchConfig, workload, policies, modes, quality_tokens, device_tokens, seed
+    )
+    packs = {
+        pair: _pack_folder(pack)
+        for pair, pack in ((("small", "large"), pack_up), (("large", "small"), pack_down))
+        if pack
+    }
+    deployment = load_deployment(small, large, packs)
+    turns = load_workload(workload, deployment.models["large"].tokenizer)
+    with tqdm(total=replays_of(turns, config), desc="requests", unit="req") as bar:
+        records = run_bench(deployment, turns, config, on_request=lambda _: bar.update())
+    run_header = header(config, deployment, turns, ["sgl-kvmap", *ctx.meta["argv"]])
+    summary = save_run(records, run_header, out)
+    if as_json:
+        click.echo(json.dumps(summarize(records), indent=2, default=str))
+    else:
+        click.echo(summary_markdown(records, run_header))
+        click.echo(f"records, summary and plots written to {summary.parent}/")
 
 
 @main.command(name="sglang-args")

@@ -157,3 +157,29 @@ def _config_json(config: BenchConfig) -> dict:
     data = asdict(config)
     data["workload"]["trace"] = str(config.workload.trace_path)
     return data
+
+
+def load_deployment(
+    small: str | None = None,
+    large: str | None = None,
+    packs: dict[tuple[str, str], str] | None = None,
+    recipe: PackRecipe = BENCH_RECIPE,
+) -> Deployment:
+    """The two engines' models (default: the embedded Qwen2.5-Coder 0.5B/1.5B pair, fetched
+    and converted once) and a pack each way: those given, else the registry's (local cache,
+    then the Hub), else built here with ``recipe`` once and cached."""
+    from ..fitting.default_pair import LARGE, SMALL, ensure_model
+    from ..models.capture import load_model
+    from ..registry.resolve import resolve_pack
+
+    names = {
+        "small": str(small or ensure_model(SMALL)),
+        "large": str(large or ensure_model(LARGE)),
+    }
+    chosen = dict(packs or {})
+    for pair in (("small", "large"), ("large", "small")):
+        if pair not in chosen:
+            source, target = names[pair[0]], names[pair[1]]
+            chosen[pair] = str(resolve_pack(source, target, build=True, recipe=recipe))
+    models = {role: load_model(name) for role, name in names.items()}
+    return Deployment(models, names, chosen)

@@ -35,7 +35,19 @@ from .hub import first_line
 log = logging.getLogger(__name__)
 
 LIBRARY_NAME = "sgl-kvmap"
-NETWORK_ERRORS = (OSError, HfHubHTTPError, OfflineModeIsEnabled)
+
+
+def _transport_errors() -> tuple[type[Exception], ...]:
+    """The HTTP client's own connection errors (httpx under huggingface_hub 1.x; requests'
+    are OSErrors already)."""
+    try:
+        import httpx
+    except ImportError:
+        return ()
+    return (httpx.TransportError,)
+
+
+NETWORK_ERRORS = (OSError, HfHubHTTPError, OfflineModeIsEnabled, *_transport_errors())
 
 
 @dataclass(frozen=True)

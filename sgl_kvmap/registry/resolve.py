@@ -175,7 +175,12 @@ def _hub_candidates(specs, namespace, cache_dir, token):
     except PackError as err:
         log.info("%s/%s: %s", namespace, name, err)
     tags = (f"kvmap-source-{source.fingerprint[:12]}", f"kvmap-target-{target.fingerprint[:12]}")
-    for entry in hub_packs(*tags, token=token):
+    try:
+        entries = hub_packs(*tags, token=token)
+    except PackError as err:  # the Hub unreachable: the local cache and a build remain
+        log.warning("%s", err)
+        return
+    for entry in entries:
         if _matches(entry, specs):
             yield fetch_pack(entry.repo_id, revision=entry.commit, cache_dir=cache_dir, token=token)
 
