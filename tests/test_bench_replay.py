@@ -64,13 +64,18 @@ def deployment(tiny_pair, tmp_path_factory) -> Deployment:
 
 
 @pytest.fixture(scope="module")
-def turns(deployment, tmp_path_factory):
+def trace(tmp_path_factory) -> Path:
     trace = tmp_path_factory.mktemp("trace") / "trace.jsonl"
     rows = [
         {"timestamp": t, "input_length": n * 16, "output_length": 64, "hash_ids": ids}
         for t, n, ids in TRACE
     ]
     trace.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return trace
+
+
+@pytest.fixture(scope="module")
+def turns(deployment, trace):
     config = WorkloadConfig(str(trace), scale=16, sessions=4, max_prompt_tokens=None)
     return load_workload(config, deployment.models["small"].tokenizer, text_files=TEXT)
 
@@ -198,3 +203,43 @@ def test_translating_modes_need_the_reference_replay_first(deployment, turns):
     fresh = ReplayPlan("alternate", turns, models, swapped(turns, models), ideal_reuse(turns, PAGE))
     with pytest.raises(Exception, match="reprefill"):
         replay(deployment, fresh, "translated", page_size=PAGE)
+
+
+def test_the_command_writes_records_summary_and_plots_and_keeps_foreign_folders(
+    deployment, trace, tmp_path, monkeypatch
+):
+    """`sgl-kvmap bench` through click, as a user runs it, on the tiny pair and the hand-made
+    trace (held-out text: the default files, as for the real pair)."""
+    from click.testing import CliRunner
+
+    from sgl_kvmap.cli import main
+
+    args = [
+        "bench",
+        *("--small", deployment.names["small"], "--large", deployment.names["large"]),
+        *("--pack-up", deployment.packs["small", "large"]),
+        *("--pack-down", deployment.packs["large", "small"]),
+        *("--trace", str(trace), "--sessions", "4", "--quality-tokens", "2"),
+        *("--policy", "sticky", "--policy", "alternate", "--mode", "translated"),
+    ]
+    out = tmp_path / "run"
+    result = CliRunner().invoke(main, [*args, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    lines = (out / "records.jsonl").read_text().splitlines()
+    assert len(lines) == 9 * 3  # sticky once; alternate in reprefill and translated
+    assert {json.loads(line)["mode"] for line in lines} == {"reprefill", "translated"}
+    run = json.loads((out / "run.json").read_text())
+    assert run["command"].startswith("sgl-kvmap bench --small ")
+    assert "1/16" in run["scale"] and str(trace) == run["trace"]
+    assert all((out / name).stat().st_size > 0 for name in ("summary.md", "ttft_cdf.png"))
+    assert "alternate" in result.output and "sticky" in result.output
+    again = CliRunner().invoke(main, [*args, "--out", str(out), "--json"])
+    assert again.exit_code == 0, again.output
+    assert {row["policy"] for row in json.loads(again.stdout)} == {"sticky", "alternate"}
+
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    refused = CliRunner().invoke(main, [*args, "--out", str(foreign)])
+    assert refused.exit_code == 1 and "not a benchmark run's output" in refused.stderr
+    assert (foreign / "notes.txt").read_text() == "keep me"

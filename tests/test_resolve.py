@@ -113,3 +113,24 @@ def test_a_pin_to_a_commit_refuses_other_weights_with_the_same_configuration(tin
     check_models(pinned, tiny_mapper.source, tiny_mapper.target)  # a local folder: no commit
     with pytest.raises(PairMismatchError, match="at commit a{40} but .* at commit b{40}"):
         check_models(pinned, tiny_mapper.source, replace(tiny_mapper.target, revision="b" * 40))
+
+
+def test_an_unreachable_hub_is_a_warning_and_the_pack_is_built(
+    model_folders, caches, monkeypatch, caplog
+):
+    """The Hub's address answers nothing (a closed port on 127.0.0.1; huggingface_hub 1.x raises
+    httpx's ConnectError): resolve warns, then builds, as offline."""
+    import socket
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", "2")
+    with pytest.raises(PackError, match="no mapper pack"):
+        resolve_pack(model_folders["source"], model_folders["target"], **caches)
+    built = resolve_pack(
+        model_folders["source"], model_folders["target"], build=True, recipe=SMALL_RECIPE, **caches
+    )
+    assert KVMapper.from_pretrained(built).source.model_id
+    assert "could not list packs on the Hub" in caplog.text
