@@ -30,17 +30,20 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from datetime import date
 from pathlib import Path
 
 import click
 
 from sgl_kvmap.bench.records import MODES, REFERENCE_MODE, RequestRecord
+from sgl_kvmap.bench.workload import WorkloadConfig
 from sgl_kvmap.sglang.launch import PAGE_SIZE, EngineSpec, engine_commands, shell_line
 
 log = logging.getLogger("bench_live")
@@ -136,7 +139,7 @@ def _tail(path: Path, lines: int = 30) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
-def _write_report(records: list[RequestRecord], header: str, out: Path) -> None:
+def _write_report(records: list[RequestRecord], header: dict, out: Path) -> None:
     try:
         from sgl_kvmap.bench.report import write_report
     except ImportError:
@@ -204,6 +207,8 @@ def main(small, large, packs, workload, policy_texts, modes, seed, quality_token
     records, references = [], {}
     for mode in modes:
         for name, (models, moved) in routes.items():
+            if mode != REFERENCE_MODE and not any(moved):
+                continue  # nothing swapped: the translating modes serve it identically
             replayed = _replay_once(
                 mode, name, engines, packs, store_path, deadline, mem_fractions, out,
                 turns, models, moved, ideal, references.get(name), quality_tokens,
@@ -213,19 +218,29 @@ def main(small, large, packs, workload, policy_texts, modes, seed, quality_token
             with jsonl.open("a") as f:
                 f.writelines(json.dumps(r.to_json()) + "\n" for r in replayed.records)
             records.extend(replayed.records)
-    header = (
-        f"live SGLang servers: {small} (small), {large} (large); packs {', '.join(packs)}; "
-        f"{len(turns)} requests replayed one at a time in arrival order (no queueing)"
-    )
+    config = WorkloadConfig(**json.loads(Path(workload).read_text()))
+    header = {
+        "command": shlex.join(sys.argv),
+        "pair": f"small {small} <-> large {large}",
+        "packs": ", ".join(packs),
+        "trace": str(config.trace_path),
+        "scale": f"1/{config.scale} (blocks of {config.block_tokens} tokens)",
+        "requests": len(turns),
+        "sessions": len({t.session for t in turns}),
+        "page_size": PAGE_SIZE,
+        "date": date.today().isoformat(),
+        "machine": "live SGLang servers on one GPU, requests one at a time (no queueing)",
+    }
     _write_report(records, header, out)
     log.info("%d records -> %s", len(records), jsonl)
 
 
 def _workload(small, workload, policy_texts, seed):
     """The trace, each request's oracle reuse, and per policy (models, swapped) per request."""
-    from sgl_kvmap.bench.routing import parse_policy, swapped
-    from sgl_kvmap.bench.workload import WorkloadConfig, ideal_reuse, load_workload
     from transformers import AutoTokenizer
+
+    from sgl_kvmap.bench.routing import parse_policy, swapped
+    from sgl_kvmap.bench.workload import ideal_reuse, load_workload
 
     tokenizer = AutoTokenizer.from_pretrained(small)
     config = WorkloadConfig(**json.loads(Path(workload).read_text()))

@@ -150,9 +150,8 @@ def test_sglang_hands_a_real_prefix_from_the_0_5b_to_a_fresh_1_5b(fitted, pair, 
 
     from sgl_kvmap.kernels import fast_matmul_dtype
     from sgl_kvmap.sglang import PeerSettings, StorageSettings
-    from sgl_kvmap.sglang.launch import sglang_extra_config
-
     from sgl_kvmap.sglang.engine import PAGE, Engine
+    from sgl_kvmap.sglang.launch import sglang_extra_config
 
     small, large = pair
     pack = dataclasses.replace(fitted[0][0], sink_tokens=4).save_pretrained(tmp_path / "pack")

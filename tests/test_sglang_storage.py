@@ -1,5 +1,6 @@
-"""The SGLang extension along the route a live SGLang 0.5.23 server takes (sgl_kvmap/sglang/engine.py):
-engines of two models share a file store through KVMapStorage; sessions move between them.
+"""The SGLang extension along the route a live SGLang 0.5.23 server takes
+(sgl_kvmap/sglang/engine.py): engines of two models share a file store through KVMapStorage;
+sessions move between them.
 
 Every scenario checks that the KV in the receiving engine's device pool equals the reference
 translation (the pack's ``KVMapper.map`` of what the sending engine stored) at the tokens' TRUE
@@ -20,10 +21,10 @@ from sgl_kvmap.core.mapper import KVMapper
 from sgl_kvmap.kernels import fast_matmul_dtype
 from sgl_kvmap.models.capture import load_model, run
 from sgl_kvmap.sglang import PeerSettings, StorageSettings
+from sgl_kvmap.sglang.engine import PAGE, Engine, page_keys
 from sgl_kvmap.sglang.launch import sglang_extra_config
 
 from .conftest import fit_tiny_mapper, save_loaded
-from sgl_kvmap.sglang.engine import PAGE, Engine, page_keys
 
 torch.manual_seed(0)
 
@@ -487,9 +488,8 @@ def test_tensor_parallel_ranks_translate_their_own_heads(
     SGLang does): every target rank computes only its own heads, reading each of the source's
     heads once from the ranks that hold it, and its pool holds the reference's columns of
     those heads at the true positions."""
-    from sgl_kvmap.sglang.heads import rank_heads
-
     from sgl_kvmap.sglang.engine import TPGroup
+    from sgl_kvmap.sglang.heads import rank_heads
 
     names, models, pack = two_head_pair
     store = str(tmp_path / "store")

@@ -7,15 +7,14 @@ Two trace shapes, detected from the file:
 - SGLang's agentic trace (a JSON object ``{"conversations": [[{"messages": [...]}, ...], ...]}``
   whose turns hold only the messages new in that turn).
 
-Sessions (Mooncake has no session ids). Every request of the trace opens with block 0, and
-beyond it unrelated requests almost never share a block: 61% of the requests share exactly
-block 0 with every earlier request and nothing more, two random requests share a second block
-with probability 0.0002, and a request that shares two or more blocks with an earlier one
-shares all but that request's last (partial) block in 85% of cases: a conversation's next turn.
-So a request continues the session of the latest earlier request with which it shares the
-longest common hash-id prefix, when that prefix is at least ``SESSION_MIN_SHARED_BLOCKS`` (2)
-blocks; its turn is that request's turn + 1. Otherwise it opens a session (turn 0). Branches
-(two requests continuing one request, 13 of 12,031) keep the rule: both get the parent's turn + 1.
+Sessions (Mooncake has no session ids). Every request of the trace opens with block 0; beyond
+it, unrelated requests almost never share a block, and a request that shares two or more
+blocks with an earlier one is nearly always that request's next turn (docs/LOG.md, the bench
+entry of 2026-12-04, has the counts). So a request continues the session of the latest earlier
+request with which it shares the longest common hash-id prefix, when that prefix is at least
+``SESSION_MIN_SHARED_BLOCKS`` (2) blocks; its turn is that request's turn + 1. Otherwise it
+opens a session (turn 0). Branches (two requests continuing one request) keep the rule: both
+get the parent's turn + 1.
 
 Text. Each distinct block id of the slice gets its own window of held-out token ids
 (``fitting.texts.default_eval_files``, shuffled, tokenized lazily file by file), so a repeated
