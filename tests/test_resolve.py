@@ -11,6 +11,7 @@ import sys
 from dataclasses import replace
 
 import pytest
+import torch
 
 from sgl_kvmap.core.errors import PackError, PairMismatchError
 from sgl_kvmap.core.mapper import KVMapper
@@ -134,3 +135,23 @@ def test_an_unreachable_hub_is_a_warning_and_the_pack_is_built(
     )
     assert KVMapper.from_pretrained(built).source.model_id
     assert "could not list packs on the Hub" in caplog.text
+
+
+def test_a_pair_is_built_both_ways_from_one_pass_and_equals_two_separate_builds(
+    model_folders, caches
+):
+    from sgl_kvmap.fitting.build import build_pack
+    from sgl_kvmap.registry.resolve import resolve_pack_pair
+
+    a, b = model_folders["source"], model_folders["target"]
+    up, down = resolve_pack_pair(a, b, build=True, recipe=SMALL_RECIPE, **caches)
+    assert (up, down) == resolve_pack_pair(a, b, local_files_only=True, **caches)
+    for folder, (source, target) in ((up, (a, b)), (down, (b, a))):
+        built = KVMapper.from_pretrained(folder)
+        alone, _ = build_pack(source, target, None, SMALL_RECIPE)
+        assert built.target.fingerprint == spec_from_pretrained(target).fingerprint
+        assert built.selection == alone.selection
+        for kind in ("k", "v"):
+            for got, want in zip(built.maps[kind], alone.maps[kind]):
+                torch.testing.assert_close(got.weight, want.weight)
+                torch.testing.assert_close(got.bias, want.bias)

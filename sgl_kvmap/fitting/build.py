@@ -25,8 +25,27 @@ def build_pack(
     ``save_pretrained``) and the flat summary of what the fit and the tuning measured."""
     models = loaded(source), loaded(target)
     ((mapper, report),) = fit_mapper(*models, calibration, recipe.calibration)
-    summary = report.summary()
+    return _tuned(mapper, report.summary(), *models, calibration, recipe)
+
+
+def build_pack_pair(
+    a: str | LoadedModel,
+    b: str | LoadedModel,
+    calibration: list[str | Path] | None = None,
+    recipe: PackRecipe = PackRecipe(),
+) -> list[tuple[KVMapper, dict[str, Any]]]:
+    """``build_pack`` both ways, a -> b then b -> a, from one calibration pass (each model runs
+    over the text once, not twice)."""
+    models = loaded(a), loaded(b)
+    fits = fit_mapper(*models, calibration, recipe.calibration, both_directions=True)
+    return [
+        _tuned(mapper, report.summary(), source, target, calibration, recipe)
+        for (mapper, report), (source, target) in zip(fits, (models, models[::-1]))
+    ]
+
+
+def _tuned(mapper, summary, source, target, calibration, recipe) -> tuple[KVMapper, dict]:
     if recipe.tuning is not None:
-        mapper, tuning = tune_mapper(mapper, *models, calibration, recipe.tuning)
+        mapper, tuning = tune_mapper(mapper, source, target, calibration, recipe.tuning)
         summary.update(tuning.summary())
     return mapper, summary

@@ -10,6 +10,7 @@ fingerprints, read without loading weights); a mismatch is refused with what dif
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -22,7 +23,7 @@ from ..core.errors import PackError, PairMismatchError
 from ..core.mapper import KVMapper
 from ..core.pack import is_pack
 from ..core.spec import ModelSpec, check_models, check_pair, spec_from_pretrained
-from ..fitting.build import build_pack
+from ..fitting.build import build_pack, build_pack_pair
 from ..fitting.config import PackRecipe
 from .naming import repo_name
 from .packs import PackEntry, cached_packs, entry_of, fetch_pack, hub_packs
@@ -79,6 +80,52 @@ def resolve_pack(
         )
         + "build it here with `sgl-kvmap resolve SOURCE TARGET --build`."
     )
+
+
+def resolve_pack_pair(
+    a: str, b: str, *, build: bool = False, recipe: PackRecipe = PackRecipe(), **options
+) -> tuple[Path, Path]:
+    """The packs a -> b and b -> a, each as ``resolve_pack`` finds it (``options`` as it takes
+    them). With ``build``, missing packs are built; when both are, one calibration pass fits
+    both (``fitting.build.build_pack_pair``)."""
+    directions = ((a, b), (b, a))
+    found: list[Path | None] = []
+    for source, target in directions:
+        try:
+            found.append(resolve_pack(source, target, **options))
+        except PackError:
+            if not build:
+                raise
+            found.append(None)
+    if found == [None, None]:
+        return build_missing_pair(a, b, options.get("assets_dir"), recipe)
+    pair = [
+        folder or resolve_pack(source, target, build=True, recipe=recipe, **options)
+        for folder, (source, target) in zip(found, directions)
+    ]
+    return pair[0], pair[1]
+
+
+def build_missing_pair(
+    a: str, b: str, assets_dir: str | Path | None = None, recipe: PackRecipe = PackRecipe()
+) -> tuple[Path, Path]:
+    """``build_missing`` both ways from one calibration pass, under both packs' locks."""
+    specs = spec_from_pretrained(a), spec_from_pretrained(b)
+    check_pair(*specs)
+    folders = (
+        built_pack_dir(specs[0], specs[1], assets_dir) / "pack",
+        built_pack_dir(specs[1], specs[0], assets_dir) / "pack",
+    )
+    with contextlib.ExitStack() as locks:
+        for folder in sorted(folders):  # one order for every process: no deadlock
+            locks.enter_context(WeakFileLock(folder.parent / "build.lock"))
+        if not all(is_pack(folder) for folder in folders):
+            log.warning("building the packs %s <-> %s here (this fits the pair)", a, b)
+            for (mapper, summary), folder in zip(build_pack_pair(a, b, None, recipe), folders):
+                if not is_pack(folder):
+                    mapper.info["metrics"].update(summary)
+                    mapper.save_pretrained(folder, overwrite=True)
+    return folders
 
 
 def built_pack_dir(
@@ -185,4 +232,11 @@ def _hub_candidates(specs, namespace, cache_dir, token):
             yield fetch_pack(entry.repo_id, revision=entry.commit, cache_dir=cache_dir, token=token)
 
 
-__all__ = ["built_pack_dir", "built_packs", "check_pins", "resolve_mapper", "resolve_pack"]
+__all__ = [
+    "built_pack_dir",
+    "built_packs",
+    "check_pins",
+    "resolve_mapper",
+    "resolve_pack",
+    "resolve_pack_pair",
+]
