@@ -133,6 +133,23 @@ def model_folders(tiny_pair, tmp_path_factory) -> dict[str, str]:
     }
 
 
+@pytest.fixture(scope="session")
+def served_pair(tiny_pair, tmp_path_factory) -> dict:
+    """``tiny_pair`` as two engines serve it: "names" (model folders, their served names),
+    "models" (loaded back from them) and "packs" {(s, t): a pack folder s -> t with 4 sink
+    tokens} for s, t in 0 (3 layers x 2 KV heads x 16) and 1 (4 layers x 1 KV head x 32)."""
+    from sgl_kvmap.models.capture import load_model
+
+    root = tmp_path_factory.mktemp("served_pair")
+    names = [save_loaded(m, root / n) for m, n in zip(tiny_pair, ("a", "b"))]
+    models = [load_model(name) for name in names]
+    packs = {}
+    for s, t in ((0, 1), (1, 0)):
+        mapper = dataclasses.replace(fit_tiny_mapper(models[s], models[t]), sink_tokens=4)
+        packs[s, t] = str(mapper.save_pretrained(root / f"pack_{s}{t}"))
+    return {"names": names, "models": models, "packs": packs}
+
+
 def save_loaded(loaded: LoadedModel, folder) -> str:
     loaded.model.save_pretrained(folder)
     loaded.tokenizer.save_pretrained(folder)

@@ -23,9 +23,7 @@ from sgl_kvmap.bench.run import BenchConfig, plan, run_bench
 from sgl_kvmap.bench.workload import WorkloadConfig, ideal_reuse, load_workload
 from sgl_kvmap.core.cache import KVCache
 from sgl_kvmap.core.mapper import KVMapper
-from sgl_kvmap.models.capture import capture_kv, load_model
-
-from .conftest import fit_tiny_mapper, save_loaded
+from sgl_kvmap.models.capture import capture_kv
 
 PAGE = 8
 TEXT = sorted((Path(__file__).parent.parent / "sgl_kvmap").rglob("*.py"))
@@ -46,20 +44,13 @@ TRACE = [
 
 
 @pytest.fixture(scope="module")
-def deployment(tiny_pair, tmp_path_factory) -> Deployment:
+def deployment(served_pair) -> Deployment:
     """ "small" (3 layers x 2 KV heads x 16) and "large" (4 layers x 1 KV head x 32) with a pack
     each way, served under their folders' names."""
-    root = tmp_path_factory.mktemp("bench")
-    names = [save_loaded(m, root / n) for m, n in zip(tiny_pair, ("small", "large"))]
-    models = [load_model(name) for name in names]
-    packs = {}
-    for s, t in ((0, 1), (1, 0)):
-        mapper = dataclasses.replace(fit_tiny_mapper(models[s], models[t]), sink_tokens=4)
-        packs[("small", "large")[s], ("small", "large")[t]] = str(
-            mapper.save_pretrained(root / f"pack_{s}{t}")
-        )
+    roles = ("small", "large")
+    packs = {(roles[s], roles[t]): pack for (s, t), pack in served_pair["packs"].items()}
     return Deployment(
-        dict(zip(("small", "large"), models)), dict(zip(("small", "large"), names)), packs
+        dict(zip(roles, served_pair["models"])), dict(zip(roles, served_pair["names"])), packs
     )
 
 

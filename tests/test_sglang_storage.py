@@ -30,17 +30,10 @@ torch.manual_seed(0)
 
 
 @pytest.fixture(scope="module")
-def deployment(tiny_pair, tmp_path_factory):
+def deployment(served_pair):
     """Two model folders (their served names, as loaded back by the engines) and a pack each
     way: "a" (3 layers x 2 KV heads x 16) and "b" (4 layers x 1 KV head x 32)."""
-    root = tmp_path_factory.mktemp("deployment")
-    names = [save_loaded(m, root / n) for m, n in zip(tiny_pair, ("a", "b"))]
-    models = [load_model(name) for name in names]
-    packs = {}
-    for s, t in ((0, 1), (1, 0)):
-        mapper = dataclasses.replace(fit_tiny_mapper(models[s], models[t]), sink_tokens=4)
-        packs[s, t] = str(mapper.save_pretrained(root / f"pack_{s}{t}"))
-    return {"names": names, "models": models, "packs": packs}
+    return served_pair
 
 
 @pytest.fixture

@@ -149,7 +149,7 @@ def _serve(engine, plan: ReplayPlan, i: int, mode: str, quality_tokens: int):
     req, slots = engine.begin(tokens)
     prefix = req.prefix_len
     past = engine.pool_kv(slots[:prefix]) if prefix else None
-    logits = engine.compute(tokens, slots, prefix, past)
+    logits = engine.compute(tokens, slots, prefix, past, logits=1)
     int(logits[-1].argmax())  # the first token
     ttft = time.perf_counter() - started
     tiers = engine.last_tiers

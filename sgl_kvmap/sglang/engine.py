@@ -294,11 +294,15 @@ class Engine:
         }
         return Tiers(device, host, from_storage - translated, translated, fallbacks)
 
-    def compute(self, tokens, slots, prefix: int, past: KVCache | None) -> torch.Tensor:
+    def compute(
+        self, tokens, slots, prefix: int, past: KVCache | None, logits: int | None = None
+    ) -> torch.Tensor:
         """Step 5: the model over tokens[prefix:] after ``past`` (every KV head), writing this
-        rank's heads of their KV at their slots. Returns their logits [computed, vocab]."""
+        rank's heads of their KV at their slots. Returns the logits of the last ``logits`` of
+        them (None: all), [logits, vocab]."""
         rest = torch.tensor(tokens[prefix:])
-        out = run(self.model.model, rest, past=past, logits_to_keep=rest.numel())
+        keep = rest.numel() if logits is None else logits
+        out = run(self.model.model, rest, past=past, logits_to_keep=keep)
         for layer, (k, v) in enumerate(zip(out.cache.keys, out.cache.values)):
             self.device.set_kv_buffer(
                 None,
