@@ -93,8 +93,9 @@ def replay(
 
     The reprefill replay stores each swapped request's answer in ``plan.references``; the
     translating modes need it (run reprefill first). ``overrides``: extra StorageSettings for
-    both engines (tests use it to force fallbacks); ``inspect(engine, i, slots, record)`` is
-    called after each request with the device slots of its prompt (tests read the pool)."""
+    both engines (tests use it to force fallbacks); ``inspect(engines, i, slots, record)`` is
+    called after each request with both engines by model and the device slots of its prompt
+    (tests read the pools)."""
     if mode not in MODES:
         raise KVMapError(f"unknown mode {mode!r}; modes are {', '.join(MODES)}")
     if mode != REFERENCE_MODE and any(plan.swapped) and not plan.references:
@@ -119,7 +120,7 @@ def replay(
                 record, slots = _serve(engine, plan, i, mode, quality_tokens)
                 records.append(record)
                 if inspect:
-                    inspect(engine, i, slots, record)
+                    inspect(engines, i, slots, record)
                 if on_request:
                     on_request(record)
             return records

@@ -51,12 +51,13 @@ import torch
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req, ScheduleBatch
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, MatchPrefixParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.common import release_kv_cache
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_unified_radix_cache
 from sglang.srt.mem_cache.utils import get_hash_str
 from sglang.srt.runtime_context import get_context, get_parallel
@@ -320,6 +321,12 @@ class Engine:
         release_kv_cache(req, self.tree, checkpoint=True)
         tree = self.tree
         self._pump_until(lambda: not tree.ongoing_backup and not tree.ongoing_write_through)
+
+    def cached_slots(self, tokens: list[int]) -> torch.Tensor:
+        """The device slots of the longest prefix of ``tokens`` this engine's tree holds on the
+        device (what it computed or loaded for them, as it stored them)."""
+        found = self.tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens))))
+        return self.tree.path_device_indices(found.last_device_node)[: found.device_prefix_len]
 
     def pool_kv(self, slots: torch.Tensor) -> KVCache:
         """What this engine's device pool holds at ``slots``: L x [tokens, heads, dim]."""
