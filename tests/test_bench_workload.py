@@ -181,7 +181,7 @@ def test_the_stream_wraps_around_when_the_held_out_text_runs_out(tmp_path):
 def test_held_out_files_are_read_only_as_far_as_the_prompts_reach(tmp_path, held_out):
     trace = write_jsonl(tmp_path / "t.jsonl", [request(0, [0, 1])])
     missing = tmp_path / "never-read.txt"
-    config = WorkloadConfig(trace=trace, min_turns=1)
+    config = WorkloadConfig(trace=trace, scale=16, min_turns=1)
     assert len(load_workload(config, code_points, [*held_out, missing])[0].tokens) == 64
 
 
@@ -222,7 +222,7 @@ def test_the_slice_keeps_sessions_of_min_turns_below_max_turns_and_the_prompt_ca
         request(7, [0, 7, 8, 9, 10, 11, 12]),
     ]
     trace = write_jsonl(tmp_path / "t.jsonl", rows)
-    cut = WorkloadConfig(trace=trace, max_turns=3, max_prompt_tokens=128)
+    cut = WorkloadConfig(trace=trace, scale=16, max_turns=3, max_prompt_tokens=128)
     assert [(t.session, t.turn) for t in load_workload(cut, code_points, held_out)] == [
         (0, 0),
         (0, 1),
@@ -230,10 +230,12 @@ def test_the_slice_keeps_sessions_of_min_turns_below_max_turns_and_the_prompt_ca
         (1, 0),
         (1, 1),
     ]
-    first = WorkloadConfig(trace=trace, sessions=1, min_turns=4, max_prompt_tokens=None)
+    first = WorkloadConfig(trace=trace, scale=16, sessions=1, min_turns=4, max_prompt_tokens=None)
     assert len(load_workload(first, code_points, held_out)) == 4
     with pytest.raises(KVMapError, match="min_turns"):
-        load_workload(WorkloadConfig(trace=trace, min_turns=4, max_prompt_tokens=128), code_points)
+        load_workload(
+            WorkloadConfig(trace=trace, scale=16, min_turns=4, max_prompt_tokens=128), code_points
+        )
 
 
 def test_the_default_slice_of_the_bundled_trace_is_small_and_multi_turn(held_out):

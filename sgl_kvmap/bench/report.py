@@ -333,7 +333,8 @@ METHOD = f"""\
   ({BOOTSTRAP_RESAMPLES} resamples, seed {BOOTSTRAP_SEED}; the TTFT ratio resamples pairs of
   requests); none under two requests.
 - Quality compares each translating mode's answer with the {MODE_TITLES[REFERENCE_MODE]}
-  answer to the same prompt: greedy agreement is the fraction of equal greedy tokens, NLL the
+  answer to the same prompt: greedy agreement is the share of the reference answer the mode's
+  greedy decoding reproduces before it first departs from it (their common prefix), NLL the
   mean negative log-likelihood (nats/token) of the reference answer under the mode's cache,
   reference NLL the same under the reference's own cache; the increase is their difference."""
 

@@ -26,10 +26,9 @@ from ..core.errors import KVMapError
 from .workload import Turn
 
 MODELS = ("small", "large")
-# at scale 16 the default slice's first turns hold 92-1,281 tokens and its 22 later turns add
-# 0-682 (median 41): 64 new tokens (1,024 at full scale) sends every first turn and the 6 longest
-# follow-ups to the large model (10 swaps)
-DEFAULT_ROUTER_TOKENS = 64
+# the router's threshold at the benchmark's default scale (1/32): 1,024 new tokens at full scale,
+# which sends every first turn and the longest follow-ups of the default slice to the large model
+DEFAULT_ROUTER_TOKENS = 32
 DEFAULT_POLICIES = (
     "sticky",
     "alternate",

@@ -21,7 +21,7 @@ from ..core.files import replacing_folder
 from ..fitting.config import CalibrationConfig, PackRecipe
 from .records import MODES, REFERENCE_MODE, RequestRecord
 from .replay import Deployment, ReplayPlan, replay
-from .routing import DEFAULT_POLICIES, parse_policy, swapped
+from .routing import DEFAULT_ROUTER_TOKENS, parse_policy, swapped
 from .workload import Turn, WorkloadConfig, ideal_reuse
 
 # Packs the default run can build in minutes on a CPU when none is cached or on the Hub: both
@@ -29,6 +29,15 @@ from .workload import Turn, WorkloadConfig, ideal_reuse
 # target layer (no search over k or rank), not tuned. Better packs (`sgl-kvmap fit`, the Hub)
 # are used whenever the registry has them.
 BENCH_RECIPE = PackRecipe(CalibrationConfig(tokens=4096, top_k=4), tuning=None)
+# one policy of each kind that swaps often enough to measure on the default slice (swap-0.1 and
+# swap-0.25 are there to ask for); with every mode this keeps the default run within minutes
+BENCH_POLICIES = (
+    "sticky",
+    "alternate",
+    "swap-0.5",
+    "escalate-2",
+    f"router-{DEFAULT_ROUTER_TOKENS}",
+)
 RECORDS_FILE = "records.jsonl"
 RUN_FILE = "run.json"
 
@@ -41,9 +50,9 @@ class BenchConfig:
     device KV pool (its host pool is twice that, SGLang's default ratio)."""
 
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
-    policies: tuple[str, ...] = DEFAULT_POLICIES
+    policies: tuple[str, ...] = BENCH_POLICIES
     modes: tuple[str, ...] = MODES
-    quality_tokens: int = 16
+    quality_tokens: int = 8
     device_tokens: int = 8192
     seed: int = 0
 

@@ -76,11 +76,11 @@ class WorkloadConfig:
     """Which trace, at what scale, and which slice of it (see the module docstring)."""
 
     trace: str | None = None  # None: DEFAULT_TRACE (the bundled Mooncake trace)
-    scale: int = 16
-    sessions: int = 12
+    scale: int = 32
+    sessions: int = 10
     min_turns: int = 2
     max_turns: int = 4
-    max_prompt_tokens: int | None = 1536  # after scaling; None: no cap
+    max_prompt_tokens: int | None = 768  # after scaling; None: no cap
     page_size: int = 8
 
     def __post_init__(self):
