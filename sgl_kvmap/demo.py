@@ -3,8 +3,9 @@
 Fetch and convert the pair (once), fit both directions on the Python standard library's
 sources (one pass, shared captures), evaluate each direction on disjoint text beside its
 baselines (translated, + tail, + tail and the repair's anchors), time each hand-off against the
-target's re-prefill, save both packs with their measured metrics, write results.json and
-return one printed table.
+target's re-prefill, save both packs with their measured metrics (and keep them as the packs
+built here for the pair, unless there are some: ``resolve``, ``bench`` and ``sglang-args`` then
+find them), write results.json and return one printed table.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from .fitting.texts import default_eval_files, eval_windows, prompt_of_length
 from .fitting.tune import tune_mapper
 from .models.capture import load_model
 from .models.timing import measure_speed
+from .registry.resolve import keep_as_built
 
 
 def run_demo(out: Path, config: DemoConfig = DemoConfig()) -> str:
@@ -67,6 +69,7 @@ def run_demo(out: Path, config: DemoConfig = DemoConfig()) -> str:
         mapper.save_pretrained(
             Path(out) / name.replace(">", "").replace("-", "_to_"), overwrite=True
         )
+        keep_as_built(mapper)  # so resolve, bench and sglang-args find it
         results[name] = {
             "fit": {**fit_report.summary(), "process_peak_rss_gib": round(fit_peak_gib, 2)},
             "tuning": tuning and {**tuning.summary(), "curve": tuning.curve},

@@ -210,7 +210,7 @@ def test_the_command_writes_records_summary_and_plots_and_keeps_foreign_folders(
         *("--small", deployment.names["small"], "--large", deployment.names["large"]),
         *("--pack-up", deployment.packs["small", "large"]),
         *("--pack-down", deployment.packs["large", "small"]),
-        *("--trace", str(trace), "--sessions", "4", "--quality-tokens", "2"),
+        *("--trace", str(trace), "--scale", "16", "--sessions", "4", "--quality-tokens", "2"),
         *("--policy", "sticky", "--policy", "alternate", "--mode", "translated"),
     ]
     out = tmp_path / "run"
@@ -221,7 +221,7 @@ def test_the_command_writes_records_summary_and_plots_and_keeps_foreign_folders(
     assert {json.loads(line)["mode"] for line in lines} == {"reprefill", "translated"}
     run = json.loads((out / "run.json").read_text())
     assert run["command"].startswith("sgl-kvmap bench --small ")
-    assert "1/16" in run["scale"] and str(trace) == run["trace"]
+    assert "1/16" in run["scale"] and run["trace"] == trace.name and "pack_01" in run["packs"]
     assert all((out / name).stat().st_size > 0 for name in ("summary.md", "ttft_cdf.png"))
     assert "alternate" in result.output and "sticky" in result.output
     again = CliRunner().invoke(main, [*args, "--out", str(out), "--json"])

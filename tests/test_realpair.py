@@ -196,3 +196,54 @@ FLOORS = {  # [0.5B->1.5B, 1.5B->0.5B]
     "tune_heldout_nll_gain": 0.02,
     "tune_eval_nll_gain": 0.03,
 }
+
+
+def test_bench_replays_real_swaps_through_sglang(fitted, pair, tmp_path):
+    """`sgl-kvmap bench`'s replay on the real pair (two sessions of the bundled trace's shape,
+    scaled 1/64, alternating models): every swapped request's tiers add up, translation serves
+    part of each first swap into a model, and it computes fewer tokens than re-prefill."""
+    import dataclasses
+    import json
+
+    from sgl_kvmap.bench.replay import Deployment
+    from sgl_kvmap.bench.run import BenchConfig, run_bench
+    from sgl_kvmap.bench.workload import WorkloadConfig, load_workload
+
+    names = {"small": str(ensure_model(SMALL)), "large": str(ensure_model(LARGE))}
+    packs = {}
+    for (mapper, _), roles in zip(fitted, (("small", "large"), ("large", "small"))):
+        packs[roles] = str(
+            dataclasses.replace(mapper, sink_tokens=4).save_pretrained(tmp_path / "-".join(roles))
+        )
+    deployment = Deployment({"small": pair[0], "large": pair[1]}, names, packs)
+    rows = [  # (ms, tokens at full scale, blocks): two sessions of three turns
+        (0, 9000, list(range(18))),
+        (5, 8000, [0, *range(100, 116)]),
+        (10, 12000, [*range(18), *range(18, 24)]),
+        (15, 11000, [0, *range(100, 116), *range(116, 122)]),
+        (20, 15000, [*range(24), *range(24, 30)]),
+        (25, 14000, [0, *range(100, 122), *range(122, 128)]),
+    ]
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(
+        "".join(
+            json.dumps({"timestamp": t, "input_length": n, "output_length": 64, "hash_ids": ids})
+            + "\n"
+            for t, n, ids in rows
+        )
+    )
+    workload = WorkloadConfig(str(trace), scale=64, sessions=2, max_prompt_tokens=None)
+    turns = load_workload(workload, pair[1].tokenizer)
+    config = BenchConfig(workload, policies=("alternate",), modes=("translated",), quality_tokens=4)
+    records = run_bench(deployment, turns, config)
+    reprefill = [r for r in records if r.mode == "reprefill"]
+    translated = [r for r in records if r.mode == "translated"]
+    assert len(reprefill) == len(translated) == 6
+    for r in records:
+        assert sum(r.reused.values()) + r.computed == r.prompt_tokens
+    first_swaps = [r for r in translated if r.swapped and r.turn == 1]
+    assert first_swaps and all(r.reused["translated"] > 0 for r in first_swaps)
+    swapped = [(t, r) for t, r in zip(translated, reprefill) if t.swapped]
+    assert sum(t.computed for t, _ in swapped) < sum(r.computed for _, r in swapped)
+    for t, _ in swapped:
+        assert 0 <= t.quality.agreement <= 1 and t.quality.nll == t.quality.nll  # not NaN

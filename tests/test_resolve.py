@@ -155,3 +155,34 @@ def test_a_pair_is_built_both_ways_from_one_pass_and_equals_two_separate_builds(
             for got, want in zip(built.maps[kind], alone.maps[kind]):
                 torch.testing.assert_close(got.weight, want.weight)
                 torch.testing.assert_close(got.bias, want.bias)
+
+
+def test_a_pack_kept_as_built_is_what_resolve_finds_and_is_never_replaced(
+    model_folders, caches, tiny_mapper
+):
+    """What the demo does with its packs: the first kept pack is the pair's built pack."""
+    from sgl_kvmap.registry.resolve import keep_as_built
+
+    a, b = model_folders["source"], model_folders["target"]
+    mapper = KVMapper.from_pretrained(resolve_pack(a, b, build=True, recipe=SMALL_RECIPE, **caches))
+    assert keep_as_built(mapper, caches["assets_dir"]) is None  # one is there: kept as it was
+    other = replace(mapper, ridge=mapper.ridge * 2)
+    assert keep_as_built(other, caches["assets_dir"]) is None
+    assert KVMapper.from_pretrained(resolve_pack(a, b, local_files_only=True, **caches)).ridge == (
+        mapper.ridge
+    )
+    fresh = {"cache_dir": caches["cache_dir"], "assets_dir": caches["assets_dir"].parent / "fresh"}
+    kept = keep_as_built(mapper, fresh["assets_dir"])
+    assert kept == resolve_pack(a, b, local_files_only=True, **fresh)
+
+
+def test_a_mapper_fitted_on_loaded_folders_is_kept_where_resolve_looks(model_folders, caches):
+    """The demo's route: models loaded from their folders, fitted, kept as built."""
+    from sgl_kvmap.fitting.calibrate import fit_mapper
+    from sgl_kvmap.models.capture import load_model
+    from sgl_kvmap.registry.resolve import keep_as_built
+
+    a, b = model_folders["source"], model_folders["target"]
+    ((mapper, _),) = fit_mapper(load_model(a), load_model(b), None, SMALL_RECIPE.calibration)
+    kept = keep_as_built(mapper, caches["assets_dir"])
+    assert kept == resolve_pack(a, b, local_files_only=True, **caches)

@@ -10,6 +10,7 @@ without it the markdown is written alone and says how to get the figures.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Callable
@@ -219,6 +220,8 @@ def header_markdown(header: dict) -> str:
 
 
 def header_value(key: str, value) -> str:
+    if isinstance(value, dict):
+        return f"`{json.dumps(value, separators=(', ', ': '))}`"
     return f"`{value}`" if key == "command" else str(value)
 
 

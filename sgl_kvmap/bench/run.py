@@ -119,9 +119,10 @@ def header(
     workload = config.workload
     return {
         "command": shlex.join(command),
-        "pair": f"small {deployment.names['small']} <-> large {deployment.names['large']}",
-        "packs": {f"{a}->{b}": str(p) for (a, b), p in deployment.packs.items()},
-        "trace": str(workload.trace_path),
+        "pair": f"{_short(deployment.names['small'])} <-> {_short(deployment.names['large'])}",
+        "models": f"small {deployment.names['small']}, large {deployment.names['large']}",
+        "packs": ", ".join(f"{a} -> {b}: {p}" for (a, b), p in deployment.packs.items()),
+        "trace": Path(workload.trace_path).name,
         "scale": f"1/{workload.scale} (blocks of {workload.block_tokens} tokens)",
         "requests": len(turns),
         "sessions": len({t.session for t in turns}),
@@ -142,6 +143,11 @@ def save_run(records: list[RequestRecord], run_header: dict, out: Path) -> Path:
         (folder / RUN_FILE).write_text(json.dumps(run_header, indent=2) + "\n")
         write_report(records, run_header, folder)
     return out / "summary.md"
+
+
+def _short(model: str) -> str:
+    """A model's name for titles: a folder's own name, or the Hub id."""
+    return Path(model).name if Path(model).exists() else model
 
 
 def _only_an_earlier_run(folder: Path) -> None:

@@ -128,6 +128,16 @@ def build_missing_pair(
     return folders
 
 
+def keep_as_built(mapper: KVMapper, assets_dir: str | Path | None = None) -> Path | None:
+    """Keep ``mapper`` as the pack built here for its pair (where ``resolve`` looks first),
+    unless one is there already; returns its folder, or None when one was there."""
+    folder = built_pack_dir(mapper.source, mapper.target, assets_dir) / "pack"
+    with WeakFileLock(folder.parent / "build.lock"):
+        if is_pack(folder):
+            return None
+        return mapper.save_pretrained(folder)
+
+
 def built_pack_dir(
     source: ModelSpec, target: ModelSpec, assets_dir: str | Path | None = None
 ) -> Path:
@@ -236,6 +246,7 @@ __all__ = [
     "built_pack_dir",
     "built_packs",
     "check_pins",
+    "keep_as_built",
     "resolve_mapper",
     "resolve_pack",
     "resolve_pack_pair",
