@@ -234,3 +234,16 @@ def test_the_command_writes_records_summary_and_plots_and_keeps_foreign_folders(
     refused = CliRunner().invoke(main, [*args, "--out", str(foreign)])
     assert refused.exit_code == 1 and "not a benchmark run's output" in refused.stderr
     assert (foreign / "notes.txt").read_text() == "keep me"
+
+
+def test_a_small_device_pool_evicts_and_reuse_comes_back_from_the_host_pool(deployment, turns):
+    """With room for a few pages on the device, SGLang evicts (write-through kept a host copy):
+    later turns reuse their history from the host tier and the tiers still add up."""
+    config = BenchConfig(WorkloadConfig(page_size=PAGE), policies=("sticky",))
+    ((replay_plan, _),) = plan(turns, config)
+    small = replay(deployment, replay_plan, "reprefill", page_size=PAGE, device_tokens=256)
+    large = replay(deployment, replay_plan, "reprefill", page_size=PAGE, device_tokens=8192)
+    assert sum(r.reused["host"] + r.reused["storage"] for r in small) > 0
+    for s, g in zip(small, large):
+        assert sum(s.reused.values()) + s.computed == s.prompt_tokens
+        assert s.prompt_tokens - s.computed == g.prompt_tokens - g.computed  # nothing lost
