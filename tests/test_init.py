@@ -1,7 +1,8 @@
 """The package: importing it needs neither sglang nor triton, and its layers import downward
-only (core <- models <- fitting <- demo, cli; kernels on core; sglang on core and kernels;
-the registry, the Hub client, on core),
-with no import cycle, lazy imports inside functions included."""
+only (core <- models <- fitting <- demo, cli; kernels on core; sglang on core, kernels and
+models (its CPU engine runs the models' forwards); the registry, the Hub client, on core,
+models and fitting; bench on all of them), with no import cycle, lazy imports inside
+functions included."""
 
 import ast
 import subprocess
@@ -18,8 +19,16 @@ LAYERS = {
     "sgl_kvmap.models": {"sgl_kvmap.core"},
     "sgl_kvmap.fitting": {"sgl_kvmap.core", "sgl_kvmap.models"},
     "sgl_kvmap.kernels": {"sgl_kvmap.core"},
-    "sgl_kvmap.sglang": {"sgl_kvmap.core", "sgl_kvmap.kernels"},
+    "sgl_kvmap.sglang": {"sgl_kvmap.core", "sgl_kvmap.kernels", "sgl_kvmap.models"},
     "sgl_kvmap.registry": {"sgl_kvmap.core", "sgl_kvmap.models", "sgl_kvmap.fitting"},
+    "sgl_kvmap.bench": {
+        "sgl_kvmap.core",
+        "sgl_kvmap.models",
+        "sgl_kvmap.fitting",
+        "sgl_kvmap.kernels",
+        "sgl_kvmap.sglang",
+        "sgl_kvmap.registry",
+    },
 }
 
 
