@@ -30,12 +30,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from sgl_kvmap.bench.live import (
-    LiveClient,
-    LiveServerError,
-    agreement,
-    replay,
-)
+from sgl_kvmap.bench.live import LiveClient, LiveServerError, replay
+from sgl_kvmap.bench.records import agreement
 from sgl_kvmap.core.errors import KVMapError
 
 PAGE = 4
@@ -286,9 +282,10 @@ def test_quality_from_logprobs_and_agreement(servers):
     assert all(r.quality is None for r in tail.records if not r.swapped)
 
 
-def test_agreement_counts_missing_tokens_as_different():
+def test_agreement_is_the_common_prefix_and_counts_missing_tokens_as_different():
     assert agreement([1, 2, 3], [1, 2, 3, 4], 4) == 0.75
     assert agreement([1, 9, 3, 4, 5], [1, 2, 3, 4], 2) == 0.5
+    assert agreement([1, 9, 3, 4], [1, 2, 3, 4], 4) == 0.25  # nothing after the departure counts
     assert agreement([], [], 8) == 1.0
 
 

@@ -247,3 +247,30 @@ def test_a_small_device_pool_evicts_and_reuse_comes_back_from_the_host_pool(depl
     for s, g in zip(small, large):
         assert sum(s.reused.values()) + s.computed == s.prompt_tokens
         assert s.prompt_tokens - s.computed == g.prompt_tokens - g.computed  # nothing lost
+
+
+def test_teacher_forced_agreement_is_greedy_decodings_common_prefix(deployment):
+    """The replay judges a mode with one teacher-forced forward over the reference answer; its
+    agreement must equal that of the mode's own greedy answer, for caches that keep all, some
+    or none of the reference."""
+    from sgl_kvmap.bench.records import agreement
+    from sgl_kvmap.bench.replay import greedy_answer, teacher_forced
+    from sgl_kvmap.models.capture import run
+
+    model = deployment.models["large"].model
+    out = run(model, torch.arange(3, 60), logits_to_keep=1)
+    last = out.logits[-1]
+    reference = greedy_answer(model, out.cache, last, 12)
+    generator = torch.Generator().manual_seed(0)
+    seen = []
+    for noise in (0.0, 0.3, 1.0, 3.0, 10.0):
+        noised = KVCache(
+            [k + noise * torch.randn(k.shape, generator=generator) for k in out.cache.keys],
+            [v + noise * torch.randn(v.shape, generator=generator) for v in out.cache.values],
+            out.cache.positions,
+        )
+        greedy = greedy_answer(model, noised, last, 12)
+        _, predicted = teacher_forced(model, noised, last, reference)
+        seen.append(agreement(greedy, reference, 12))
+        assert agreement(predicted, reference, 12) == seen[-1]
+    assert seen[0] == 1.0 and min(seen) < 1.0

@@ -20,9 +20,10 @@ the turn's output length. What is measured, and where it comes from (SGLang 0.5.
   prompt minus the cached tokens. ``fallbacks`` stays empty: the reasons live in the server's
   ``KVMapStorage.counters``, which HTTP does not expose.
 - **Quality** (swapped requests in a translating mode), against the re-prefill replay's answer
-  to the same request: the fraction of its first ``quality_tokens`` greedy tokens this mode's
-  answer repeats, and the teacher-forced mean NLL of that answer on the server that served the
-  request, right after it (so over this mode's cache): prompt + answer sent with
+  to the same request: the share of its first ``quality_tokens`` greedy tokens this mode's
+  answer reproduces before it first departs from it (``records.agreement``), and the
+  teacher-forced mean NLL of that answer on the server that served the request, right after
+  it (so over this mode's cache): prompt + answer sent with
   ``return_logprob`` and ``logprob_start_len = prompt - 1``. SGLang reuses cache only up to
   ``logprob_start_len`` (``schedule_batch.py:1774-1775``), so the answer is always computed;
   and its input logprobs are ``[None] + logprobs[:-1]`` paired with
@@ -47,9 +48,16 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from ..core.errors import KVMapError
-from .records import MODES, REFERENCE_MODE, TIERS, Quality, RequestRecord
+from .records import (
+    MODES,
+    REFERENCE_MODE,
+    TIERS,
+    TRANSLATING_MODES,
+    Quality,
+    RequestRecord,
+    agreement,
+)
 
-TRANSLATING_MODES = tuple(m for m in MODES if m != REFERENCE_MODE)
 QUALITY_TOKENS = 32  # answer tokens compared for greedy agreement
 SERVER_TIERS = ("device", "host", "storage")  # the keys of SGLang's cached_tokens_details
 
@@ -227,13 +235,6 @@ def record_tiers(cached: Mapping[str, int], mode: str, swapped: bool) -> dict[st
     reused["device"], reused["host"] = cached["device"], cached["host"]
     reused[storage_tier] = cached["storage"]
     return reused
-
-
-def agreement(answer: Sequence[int], reference: Sequence[int], tokens: int) -> float:
-    """The fraction of the reference's first ``tokens`` tokens that ``answer`` repeats at the
-    same positions (a shorter answer disagrees where it has none)."""
-    n = min(tokens, len(reference))
-    return sum(a == r for a, r in zip(answer[:n], reference[:n])) / n if n else 1.0
 
 
 def answer_logprobs(

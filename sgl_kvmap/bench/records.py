@@ -9,6 +9,7 @@ For every record ``sum(reused.values()) + computed == prompt_tokens``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 TIERS = ("device", "host", "storage", "translated")
@@ -19,20 +20,35 @@ MODE_TITLES = {
     "tail": "translated + tail",
 }
 REFERENCE_MODE = "reprefill"  # the target on its own cache: the quality reference
+TRANSLATING_MODES = tuple(m for m in MODES if m != REFERENCE_MODE)
 
 
 @dataclass
 class Quality:
     """A swapped request's answer against the re-prefill answer to the same prompt.
 
-    agreement: the fraction of the first ``tokens`` greedy answer tokens equal to re-prefill's;
-    nll: the teacher-forced mean negative log-likelihood (nats/token) of re-prefill's greedy
-    answer under this mode's cache; reference_nll: the same under re-prefill's own cache."""
+    agreement: the share of re-prefill's first ``tokens`` greedy answer tokens that this mode's
+    greedy answer reproduces before it first departs from it (``agreement``); nll: the
+    teacher-forced mean negative log-likelihood (nats/token) of re-prefill's greedy answer under
+    this mode's cache; reference_nll: the same under re-prefill's own cache."""
 
     tokens: int
     agreement: float
     nll: float
     reference_nll: float
+
+
+def agreement(answer: Sequence[int], reference: Sequence[int], tokens: int) -> float:
+    """The share of ``reference``'s first ``tokens`` tokens that ``answer`` reproduces before it
+    first departs from it: the two answers' common prefix over the reference's length (a
+    shorter answer departs where it ends; 1.0 for an empty reference)."""
+    n = min(tokens, len(reference))
+    if not n:
+        return 1.0
+    common = 0
+    while common < min(n, len(answer)) and answer[common] == reference[common]:
+        common += 1
+    return common / n
 
 
 @dataclass

@@ -32,7 +32,7 @@ import torch
 
 from ..core.errors import KVMapError
 from ..models.capture import LoadedModel, run
-from .records import MODES, REFERENCE_MODE, Quality, RequestRecord
+from .records import MODES, REFERENCE_MODE, Quality, RequestRecord, agreement
 from .workload import Turn
 
 MODE_SETTINGS = {
@@ -193,8 +193,9 @@ def _judge(engine, plan, i, mode, slots, last_logits, quality_tokens) -> Quality
         plan.references[plan.turns[i].request] = Answer(answer, nll)
         return None
     reference = plan.references[plan.turns[i].request]
-    nll, agreed = teacher_forced(model, cache, last_logits, reference.tokens)
-    return Quality(len(reference.tokens), agreed / len(reference.tokens), nll, reference.nll)
+    nll, predicted = teacher_forced(model, cache, last_logits, reference.tokens)
+    tokens = len(reference.tokens)
+    return Quality(tokens, agreement(predicted, reference.tokens, tokens), nll, reference.nll)
 
 
 @torch.no_grad()
@@ -210,15 +211,16 @@ def greedy_answer(model, cache, last_logits: torch.Tensor, count: int) -> list[i
 
 
 @torch.no_grad()
-def teacher_forced(model, cache, last_logits: torch.Tensor, answer: list[int]) -> tuple[float, int]:
-    """``answer``'s mean NLL after the prompt (``cache``, ``last_logits: [vocab]``) and how many
-    of its first tokens greedy decoding reproduces before it first departs from it."""
+def teacher_forced(
+    model, cache, last_logits: torch.Tensor, answer: list[int]
+) -> tuple[float, list[int]]:
+    """``answer``'s mean NLL after the prompt (``cache``, ``last_logits: [vocab]``) and the
+    greedy token at each of its positions given the answer before it: up to its first departure
+    from ``answer`` that is greedy decoding's own answer (``records.agreement``)."""
     logits = last_logits[None]
     if len(answer) > 1:
         rest = run(model, torch.tensor(answer[:-1]), past=cache, logits_to_keep=len(answer) - 1)
         logits = torch.cat([logits, rest.logits])
     target = torch.tensor(answer)
     nll = torch.nn.functional.cross_entropy(logits.float(), target).item()
-    departs = (logits.argmax(-1) != target).nonzero()
-    agreed = int(departs[0]) if len(departs) else len(answer)
-    return nll, agreed
+    return nll, logits.argmax(-1).tolist()
