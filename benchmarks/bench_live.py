@@ -42,6 +42,7 @@ from pathlib import Path
 
 import click
 
+from sgl_kvmap.bench.live import QUALITY_TOKENS
 from sgl_kvmap.bench.records import MODES, REFERENCE_MODE, RequestRecord
 from sgl_kvmap.bench.workload import WorkloadConfig
 from sgl_kvmap.sglang.launch import PAGE_SIZE, EngineSpec, engine_commands, shell_line
@@ -163,7 +164,7 @@ def _write_report(records: list[RequestRecord], header: dict, out: Path) -> None
     "--mode", "modes", multiple=True, type=click.Choice(MODES), default=MODES, show_default=True
 )
 @click.option("--seed", default=0, show_default=True)
-@click.option("--quality-tokens", default=32, show_default=True)
+@click.option("--quality-tokens", default=QUALITY_TOKENS, show_default=True)
 @click.option("--port", default=30000, show_default=True, help="SMALL's port; LARGE's is +1.")
 @click.option(
     "--mem-fraction-static",
