@@ -157,6 +157,24 @@ def test_a_pair_is_built_both_ways_from_one_pass_and_equals_two_separate_builds(
                 torch.testing.assert_close(got.bias, want.bias)
 
 
+def test_a_pair_with_one_pack_found_builds_only_the_other(model_folders, caches):
+    from sgl_kvmap.fitting.build import build_pack
+    from sgl_kvmap.registry.resolve import resolve_pack_pair
+
+    a, b = model_folders["source"], model_folders["target"]
+    options = {"local_files_only": True, "recipe": SMALL_RECIPE, **caches}
+    up = resolve_pack(a, b, build=True, **options)
+    tensors = {f.name: f.read_bytes() for f in up.iterdir() if f.is_file()}
+    found, down = resolve_pack_pair(a, b, build=True, **options)
+    assert found == up
+    assert {f.name: f.read_bytes() for f in up.iterdir() if f.is_file()} == tensors
+    built, (alone, _) = KVMapper.from_pretrained(down), build_pack(b, a, None, SMALL_RECIPE)
+    assert built.source.fingerprint == spec_from_pretrained(b).fingerprint
+    for kind in ("k", "v"):
+        for got, want in zip(built.maps[kind], alone.maps[kind]):
+            torch.testing.assert_close(got.weight, want.weight)
+
+
 def test_a_pack_kept_as_built_is_what_resolve_finds_and_is_never_replaced(
     model_folders, caches, tiny_mapper
 ):

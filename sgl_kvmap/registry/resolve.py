@@ -97,11 +97,13 @@ def resolve_pack_pair(
             if not build:
                 raise
             found.append(None)
+    assets_dir = options.get("assets_dir")
     if found == [None, None]:
-        return build_missing_pair(a, b, options.get("assets_dir"), recipe)
+        return build_missing_pair(a, b, assets_dir, recipe)
+    specs = spec_from_pretrained(a), spec_from_pretrained(b)
     pair = [
-        folder or resolve_pack(source, target, build=True, recipe=recipe, **options)
-        for folder, (source, target) in zip(found, directions)
+        folder or build_missing(source, target, pair_specs, assets_dir, recipe)
+        for folder, (source, target), pair_specs in zip(found, directions, (specs, specs[::-1]))
     ]
     return pair[0], pair[1]
 
