@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
+from .workload import common_prefix_length
+
 TIERS = ("device", "host", "storage", "translated")
 MODES = ("reprefill", "translated", "tail")  # how a swapped request's prefix is served
 MODE_TITLES = {
@@ -43,12 +45,7 @@ def agreement(answer: Sequence[int], reference: Sequence[int], tokens: int) -> f
     first departs from it: the two answers' common prefix over the reference's length (a
     shorter answer departs where it ends; 1.0 for an empty reference)."""
     n = min(tokens, len(reference))
-    if not n:
-        return 1.0
-    common = 0
-    while common < min(n, len(answer)) and answer[common] == reference[common]:
-        common += 1
-    return common / n
+    return common_prefix_length(answer[:n], reference[:n]) / n if n else 1.0
 
 
 @dataclass

@@ -169,12 +169,13 @@ class TokenStream:
         return tuple(self._ids[(start + k) % len(self._ids)] for k in range(length))
 
     def _read_until(self, tokens: int) -> None:
+        from ..fitting.texts import file_tokens
+
         while len(self._ids) < tokens:
             path = next(self._files, None)
             if path is None:
                 return
-            text = path.read_text(encoding="utf-8", errors="replace")
-            self._ids += self._tokenizer(text, add_special_tokens=False)["input_ids"]
+            self._ids += file_tokens(self._tokenizer, path)
 
 
 def tokenize(tokenizer, text: str) -> tuple[int, ...]:

@@ -112,7 +112,7 @@ def calibration_windows(
     buffer: list[int] = []
     produced = 0
     for path in shuffled(files):
-        buffer += _tokens(tokenizer, path)[:per_file]
+        buffer += file_tokens(tokenizer, path)[:per_file]
         while len(buffer) >= window and produced + window <= limit:
             yield torch.tensor(buffer[:window])
             buffer = buffer[window:]
@@ -137,7 +137,7 @@ def eval_sources(
     """``eval_windows`` with the file each window opens: (path, window ``[length]``) pairs."""
     sources = []
     for path in shuffled(files, seed="sgl-kvmap-eval"):
-        ids = _tokens(tokenizer, path)
+        ids = file_tokens(tokenizer, path)
         if len(ids) >= length:
             sources.append((path, torch.tensor(ids[:length])))
         if len(sources) == count:
@@ -149,6 +149,7 @@ def eval_sources(
     return sources
 
 
-def _tokens(tokenizer, path: Path) -> list[int]:
+def file_tokens(tokenizer, path: Path) -> list[int]:
+    """The token ids of a text file (no special tokens; undecodable bytes replaced)."""
     text = path.read_text(encoding="utf-8", errors="replace")
     return tokenizer(text, add_special_tokens=False)["input_ids"]
