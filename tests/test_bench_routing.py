@@ -2,9 +2,20 @@
 
 import pytest
 
-from sgl_kvmap.bench.routing import DEFAULT_POLICIES, MODELS, Policy, parse_policy, swapped
+from sgl_kvmap.bench.routing import MODELS, Policy, parse_policy, swapped
 from sgl_kvmap.bench.workload import Turn
 from sgl_kvmap.core.errors import KVMapError
+
+# one of each form the benchmark offers, with the swap probabilities users ask for
+EVERY_FORM = (
+    "sticky",
+    "alternate",
+    "swap-0.1",
+    "swap-0.25",
+    "swap-0.5",
+    "escalate-2",
+    "router-32",
+)
 
 
 def sessions_of(turn_counts, new_tokens=10, texts=None):
@@ -29,9 +40,9 @@ def swaps_of(policy, turns, seed=0):
     return swapped(turns, parse_policy(policy).route(turns, seed))
 
 
-def test_the_default_policies_parse_and_route_to_the_two_models():
+def test_every_form_parses_and_routes_to_the_two_models():
     turns = sessions_of([1, 3, 5])
-    for name in DEFAULT_POLICIES:
+    for name in EVERY_FORM:
         models = parse_policy(name).route(turns)
         assert len(models) == len(turns) and set(models) <= set(MODELS)
     assert parse_policy(" sticky ") == Policy("sticky")
