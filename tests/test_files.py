@@ -282,3 +282,18 @@ def test_an_existing_pack_is_replaced_only_with_overwrite(tiny_mapper, tmp_path)
     empty = tmp_path / "empty"
     empty.mkdir()
     assert KVMapper.from_pretrained(tiny_mapper.save_pretrained(empty)).ridge == tiny_mapper.ridge
+
+
+def test_a_staged_file_replaces_the_old_one_whole_or_not_at_all(tmp_path):
+    path = tmp_path / "summary.md"
+    path.write_text("old")
+    with pytest.raises(RuntimeError):
+        with files.staged_file(path) as staging:
+            staging.write_text("half of the new")
+            raise RuntimeError("killed mid-write")
+    assert path.read_text() == "old"
+    with files.staged_file(path) as staging:
+        staging.write_text("new")
+        assert path.read_text() == "old"  # nothing visible before the block ends
+    assert path.read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.md"]

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
+from ..core.files import staged_file
 from .records import MODE_TITLES, MODES, REFERENCE_MODE, TIERS, RequestRecord
 
 HEADER_KEYS = (
@@ -355,7 +355,8 @@ def write_report(records: list[RequestRecord], header: dict, out: Path) -> Path:
     text = summary_markdown(records, header)
     written = write_figures(records, header, out)
     path = out / SUMMARY_FILE
-    write_atomically(path, (text + "\n" + figures_markdown(written)).encode())
+    with staged_file(path) as staging:
+        staging.write_text(text + "\n" + figures_markdown(written))
     return path
 
 
@@ -374,7 +375,8 @@ def write_figures(records: list[RequestRecord], header: dict, out: Path) -> list
     for name, draw in FIGURES.items():
         figure = draw(replays, header)
         figure.suptitle(f"{FIGURE_TITLES[name]}\n{run_caption(header)}")
-        write_figure(figure, out / name)
+        with staged_file(out / name) as staging:
+            figure.savefig(staging, format="png", dpi=120)
     return list(FIGURES)
 
 
@@ -384,18 +386,6 @@ def matplotlib_installed() -> bool:
     except ImportError:
         return False
     return True
-
-
-def write_figure(figure, path: Path) -> None:
-    staging = path.with_name(f".{path.name}.partial")
-    figure.savefig(staging, format="png", dpi=120)
-    os.replace(staging, path)
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    staging = path.with_name(f".{path.name}.partial")
-    staging.write_bytes(data)
-    os.replace(staging, path)
 
 
 def run_caption(header: dict) -> str:

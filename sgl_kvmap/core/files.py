@@ -1,4 +1,5 @@
-"""Folders written whole and read whole: atomic replacement, consistent reads, file digests.
+"""Folders and files written whole and read whole: atomic replacement, consistent reads, file
+digests.
 
 A writer fills a new sibling folder, syncs it to disk and only then swaps it into place in one
 step (``renameat2(RENAME_EXCHANGE)`` on Linux), under a lock per destination, so at every
@@ -53,6 +54,19 @@ def replacing_folder(
             _swap_into_place(staging, target)
         finally:
             shutil.rmtree(staging, ignore_errors=True)  # after a swap: the old version
+
+
+@contextlib.contextmanager
+def staged_file(path: Path) -> Iterator[Path]:
+    """A staging path beside ``path`` to write the new file to; when the block ends without an
+    error it replaces ``path`` in one rename (a reader sees the whole old file or the whole new
+    one), and in any case nothing is left behind."""
+    staging = Path(path).with_name(f".{Path(path).name}.partial")
+    try:
+        yield staging
+        os.replace(staging, path)
+    finally:
+        staging.unlink(missing_ok=True)
 
 
 def remove_debris(target: Path) -> None:

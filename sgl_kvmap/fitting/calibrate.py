@@ -10,7 +10,6 @@ text the maps were not fitted on, as choosing k requires.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from ..core.errors import KVMapError
+from ..core.files import staged_file
 from ..core.fit import (
     KINDS,
     Geometry,
@@ -203,9 +203,8 @@ def save_state(state: CalibrationState, path: Path) -> None:
     meta["forward_fingerprints"] = (
         f"{state.forward.source.fingerprint},{state.forward.target.fingerprint}"
     )
-    tmp = Path(path).with_suffix(".partial")
-    save_file(tensors, tmp, metadata=meta)
-    os.replace(tmp, path)
+    with staged_file(Path(path)) as staging:
+        save_file(tensors, staging, metadata=meta)
 
 
 def load_state(path: Path, source: ModelSpec, target: ModelSpec) -> CalibrationState:
