@@ -40,6 +40,7 @@ machine running the models beside it may not have). The process's parallel ranks
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import time
 from array import array
@@ -106,9 +107,14 @@ def _backup_from_device_all_layer(self, device_pool, host_indices, device_indice
         self.kv_buffer[1, host_indices, layer] = device_pool.v_buffer[layer][device_indices]
 
 
-MHATokenToKVPoolHost.__init__ = _unpinned_host_pool()
-MHATokenToKVPoolHost.load_to_device_per_layer = _load_to_device_per_layer
-MHATokenToKVPoolHost.backup_from_device_all_layer = _backup_from_device_all_layer
+@functools.cache
+def _substitute_cuda_copies() -> None:
+    """The CPU substitutions of the module docstring, made on SGLang's host pool class once, when
+    the first engine is built (not on import: a process that only imports this module, a live
+    server among them, keeps SGLang's own transfers)."""
+    MHATokenToKVPoolHost.__init__ = _unpinned_host_pool()
+    MHATokenToKVPoolHost.load_to_device_per_layer = _load_to_device_per_layer
+    MHATokenToKVPoolHost.backup_from_device_all_layer = _backup_from_device_all_layer
 
 
 def page_keys(tokens: list[int]) -> list[str]:
@@ -165,6 +171,7 @@ class Engine:
         page_size=PAGE,
         slots=SLOTS,
     ):
+        _substitute_cuda_copies()
         self.model, self.name, self.page_size, self.slots = model, name, page_size, slots
         self.heads = rank_heads(model.spec.num_kv_heads, tp_size, tp_rank)
         get_parallel().override_permanently(tp_rank=tp_rank, **dict.fromkeys(_RANKS, 0))
