@@ -115,26 +115,25 @@ def build_missing_pair(
     specs = spec_from_pretrained(a), spec_from_pretrained(b)
     check_pair(*specs)
     folders = (
-        built_pack_dir(specs[0], specs[1], assets_dir) / "pack",
-        built_pack_dir(specs[1], specs[0], assets_dir) / "pack",
+        built_pack_folder(specs[0], specs[1], assets_dir),
+        built_pack_folder(specs[1], specs[0], assets_dir),
     )
     with contextlib.ExitStack() as locks:
         for folder in sorted(folders):  # one order for every process: no deadlock
-            locks.enter_context(WeakFileLock(folder.parent / "build.lock"))
+            locks.enter_context(_build_lock(folder))
         if not all(is_pack(folder) for folder in folders):
             log.warning("building the packs %s <-> %s here (this fits the pair)", a, b)
             for (mapper, summary), folder in zip(build_pack_pair(a, b, None, recipe), folders):
                 if not is_pack(folder):
-                    mapper.info["metrics"].update(summary)
-                    mapper.save_pretrained(folder, overwrite=True)
+                    _save_built(mapper, summary, folder)
     return folders
 
 
 def keep_as_built(mapper: KVMapper, assets_dir: str | Path | None = None) -> Path | None:
     """Keep ``mapper`` as the pack built here for its pair (where ``resolve`` looks first),
     unless one is there already; returns its folder, or None when one was there."""
-    folder = built_pack_dir(mapper.source, mapper.target, assets_dir) / "pack"
-    with WeakFileLock(folder.parent / "build.lock"):
+    folder = built_pack_folder(mapper.source, mapper.target, assets_dir)
+    with _build_lock(folder):
         if is_pack(folder):
             return None
         return mapper.save_pretrained(folder)
@@ -151,6 +150,13 @@ def built_pack_dir(
     return cached_assets_path(
         library_name="sgl-kvmap", namespace="built", subfolder=key, assets_dir=assets_dir
     )
+
+
+def built_pack_folder(
+    source: ModelSpec, target: ModelSpec, assets_dir: str | Path | None = None
+) -> Path:
+    """The pack folder of a pack built here for this pair (inside ``built_pack_dir``)."""
+    return built_pack_dir(source, target, assets_dir) / "pack"
 
 
 def built_packs(assets_dir: str | Path | None = None) -> list[PackEntry]:
@@ -172,14 +178,23 @@ def build_missing(
 ) -> Path:
     """Fit the pair with its default recipe into ``built_pack_dir``, once: under a lock, a
     second process waits and then finds the pack the first one built."""
-    folder = built_pack_dir(*specs, assets_dir) / "pack"
-    with WeakFileLock(folder.parent / "build.lock"):
+    folder = built_pack_folder(*specs, assets_dir)
+    with _build_lock(folder):
         if is_pack(folder):
             return folder
         log.warning("building the pack %s -> %s here (this fits the pair)", source, target)
-        mapper, summary = build_pack(source, target, None, recipe)
-        mapper.info["metrics"].update(summary)
-        return mapper.save_pretrained(folder, overwrite=True)
+        return _save_built(*build_pack(source, target, None, recipe), folder)
+
+
+def _build_lock(folder: Path) -> WeakFileLock:
+    """The lock a build of the pack ``folder`` holds (beside it, in its pair's folder)."""
+    return WeakFileLock(folder.parent / "build.lock")
+
+
+def _save_built(mapper: KVMapper, summary: dict, folder: Path) -> Path:
+    """Save a pack built here, with what its build measured among its metrics."""
+    mapper.info["metrics"].update(summary)
+    return mapper.save_pretrained(folder, overwrite=True)
 
 
 def check_pins(
@@ -216,7 +231,7 @@ def _matches(entry: PackEntry, specs: tuple[ModelSpec, ModelSpec]) -> bool:
 
 
 def _local_candidates(specs, cache_dir, assets_dir) -> list[Path]:
-    built = built_pack_dir(*specs, assets_dir) / "pack"
+    built = built_pack_folder(*specs, assets_dir)
     found = [built] if is_pack(built) else []
     found += [Path(e.where) for e in cached_packs(cache_dir) if _matches(e, specs)]
     return found
@@ -246,6 +261,7 @@ def _hub_candidates(specs, namespace, cache_dir, token):
 
 __all__ = [
     "built_pack_dir",
+    "built_pack_folder",
     "built_packs",
     "check_pins",
     "keep_as_built",
