@@ -238,7 +238,7 @@ def _objective_option(flag: str, tuning: TuneConfig):
 
 def _command_line() -> str:
     """The command line this run was given (as click parsed it, whatever the process's own
-    ``sys.argv``), as the pack's card records what measured its figures."""
+    ``sys.argv``), recorded beside the figures it measured (a pack's card, a bench run)."""
     return shlex.join(["sgl-kvmap", *click.get_current_context().meta["argv"]])
 
 
@@ -884,7 +884,7 @@ def bench(
     turns = load_workload(workload, deployment.models["large"].tokenizer)
     with tqdm(total=replays_of(turns, config), desc="requests", unit="req") as bar:
         records = run_bench(deployment, turns, config, on_request=lambda _: bar.update())
-    run_header = header(config, deployment, turns, ["sgl-kvmap", *ctx.meta["argv"]])
+    run_header = header(config, deployment, turns, _command_line())
     summary = save_run(records, run_header, out)
     if as_json:
         click.echo(json.dumps(summarize(records), indent=2, default=str))

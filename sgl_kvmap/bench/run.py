@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import platform
-import shlex
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import date
@@ -112,13 +111,11 @@ def replays_of(turns: list[Turn], config: BenchConfig) -> int:
     return sum(len(turns) * len(modes) for _, modes in plan(turns, config))
 
 
-def header(
-    config: BenchConfig, deployment: Deployment, turns: list[Turn], command: list[str]
-) -> dict:
-    """The run's facts, printed above its figures."""
+def header(config: BenchConfig, deployment: Deployment, turns: list[Turn], command: str) -> dict:
+    """The run's facts, printed above its figures; ``command``: the command line that ran it."""
     workload = config.workload
     return {
-        "command": shlex.join(command),
+        "command": command,
         "pair": f"{_short(deployment.names['small'])} <-> {_short(deployment.names['large'])}",
         "models": f"small {deployment.names['small']}, large {deployment.names['large']}",
         "packs": ", ".join(f"{a} -> {b}: {p}" for (a, b), p in deployment.packs.items()),
