@@ -9,6 +9,7 @@ store (``replay.replay``).
 from __future__ import annotations
 
 import json
+import os
 import platform
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -162,8 +163,6 @@ def _only_an_earlier_run(folder: Path) -> None:
 
 
 def _cores() -> int:
-    import os
-
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
