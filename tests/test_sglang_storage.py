@@ -28,6 +28,12 @@ from .conftest import fit_tiny_mapper, save_loaded
 
 torch.manual_seed(0)
 
+# The engines of the scenarios below prefetch prompts of a few 8-token pages (below SGLang's
+# 256-token threshold) and wait for every prefetch (SGLang's wait_complete policy): they check
+# what is translated and where it lands, on a machine whose load would otherwise decide whether
+# a 1 s deadline cuts a prefetch. The deadline's own behaviour has tests of its own below.
+UNTIMED = {"prefetch_threshold": PAGE, "prefetch_policy": "wait_complete"}
+
 
 @pytest.fixture(scope="module")
 def deployment(served_pair):
@@ -57,7 +63,8 @@ class Cluster:
 
     def engine(self, i: int, model=None, **settings) -> Engine:
         model = model or self.deployment["models"][i]
-        engine = Engine(model, self.deployment["names"][i], self.extra(i, **settings))
+        name, extra = self.deployment["names"][i], self.extra(i, **settings)
+        engine = Engine(model, name, extra, **UNTIMED)
         self.engines.append(engine)
         return engine
 
@@ -67,7 +74,7 @@ class Cluster:
     def files(self, i: int) -> list[str]:
         """Page files the store holds for engine i's model (records excluded)."""
         name = self.deployment["names"][i].replace("/", "-")
-        return [f for f in os.listdir(self.store) if f.endswith(f"{name}_0_1.bin")]
+        return [f for f in os.listdir(self.store) if f == f"{f[:64]}_{name}_0_1.bin"]
 
 
 @pytest.fixture(autouse=True)
@@ -229,7 +236,6 @@ def exact_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
         ("tokenizer differs", "tokenizer_mismatch"),
         ("host pool of another geometry", "geometry_mismatch"),
         ("sinks: native, no first page of its own", "no_native_sink_page"),
-        ("interface_v1 off", "interface_v1_off"),
         ("this engine's model unreadable", "model_unverifiable"),
     ],
 )
@@ -253,8 +259,6 @@ def test_fallbacks_prefill_natively_and_count_the_reason(
         model = deployment["models"][0]
     elif case.startswith("sinks"):
         settings["sinks"] = "native"
-    elif case == "interface_v1 off":
-        settings["interface_v1"] = False
     elif case == "this engine's model unreadable":
         settings["model_path"] = str(tmp_path / "no-such-model")
     b = cluster.engine(1, model=model, **settings)
@@ -320,6 +324,7 @@ def test_a_peer_storing_float16_is_read_as_float16(cluster):
         cluster.deployment["names"][0],
         cluster.extra(0, translate=False),
         dtype=torch.float16,
+        **UNTIMED,
     )
     cluster.engines.append(a)
     b = cluster.engine(1)
@@ -365,7 +370,7 @@ def test_a_damaged_peer_page_ends_the_translated_run(cluster, damage):
     else:
         nan = torch.full((size // 2,), float("nan"), dtype=torch.bfloat16)
         page_file.write_bytes(nan.view(torch.uint8).numpy().tobytes())
-        record_file = cluster.store / f"{key}_{name}.kvmap-records_0_1.bin"
+        record_file = cluster.store / f"{key}.kvmap_{name}_0_1.bin"
         record = PageRecord.from_tensor(
             torch.frombuffer(bytearray(record_file.read_bytes()), dtype=torch.uint8)
         )
@@ -388,8 +393,8 @@ def test_a_failing_peer_store_hides_only_the_peer(cluster):
     def broken(*args, **kwargs):
         raise OSError("peer store unreachable")
 
-    for store in b.storage.peers[0].records.values():
-        store.exists = broken
+    for store in b.storage.peers[0].stores.values():
+        store.batch_exists = store.exists = store.get = broken
     served = b.serve(prompt)
     assert served.reused == 2 * PAGE
     assert b.storage.counters["native_pages"] == 2
@@ -419,6 +424,8 @@ def test_a_pack_changed_on_disk_while_serving_changes_nothing(cluster, deploymen
     [
         ({"translate": "false"}, "translate must be a JSON true/false"),
         ({"interface_v1": "0"}, "interface_v1 must be 0, 1, true or false"),
+        ({"interface_v1": 0}, 'KVMapStorage needs "interface_v1": 1'),
+        ({"hicache_storage_pass_prefix_keys": False}, '"hicache_storage_pass_prefix_keys": true'),
         ({"peers": [{"model_name": "x", "pack": "y", "dtype": "float16"}]}, "unknown peer key"),
         ({"peers": {"model_name": "x"}}, "peers must be a list"),
         ({"sinks": "maybe"}, "sinks must be one of"),
@@ -491,10 +498,10 @@ def test_tensor_parallel_ranks_translate_their_own_heads(
     translating = StorageSettings(translate=True, interface_v1=True, peers=(peer,), tail_pages=0)
     on = sglang_extra_config(translating, store)
     prompt = tokens(4 * PAGE + 3, seed=30)
-    source, target = TPGroup(models[0], names[0], off, source_tp), None
+    source, target = TPGroup(models[0], names[0], off, source_tp, **UNTIMED), None
     try:
         sent = source.serve(prompt)
-        target = TPGroup(models[1], names[1], on, target_tp)
+        target = TPGroup(models[1], names[1], on, target_tp, **UNTIMED)
         served = target.serve(prompt)
         source_kv = source.pool_kv([s.slots[: 4 * PAGE] for s in sent])
         want = KVMapper.from_pretrained(pack).map(source_kv, fast_matmul_dtype("cpu"))
@@ -533,10 +540,11 @@ def test_an_unknown_host_layout_starts_the_engine_without_translation(cluster):
         cluster.deployment["names"][1],
         cluster.extra(1),
         layout="page_unified",
+        **UNTIMED,
     )
     cluster.engines.append(engine)
     assert engine.storage.counters["fallback.pool_unsupported"] == 1
-    assert engine.storage.peers == [] and engine.storage.own_records is None
+    assert engine.storage.peers == [] and engine.storage.identity is None
 
 
 def test_an_mla_pool_switches_translation_off_and_its_pages_are_still_stored(cluster):

@@ -113,6 +113,8 @@ def replay(
                     extra,
                     page_size=page_size,
                     slots=device_tokens,
+                    prefetch_threshold=page_size,
+                    prefetch_policy="wait_complete",
                 )
             records = []
             for i in range(len(plan.turns)):

@@ -117,6 +117,11 @@ def _substitute_cuda_copies() -> None:
     MHATokenToKVPoolHost.backup_from_device_all_layer = _backup_from_device_all_layer
 
 
+def _threshold(tokens: int | None) -> dict:
+    """The extra-config key for a prefetch threshold other than SGLang's own."""
+    return {} if tokens is None else {"prefetch_threshold": tokens}
+
+
 def page_keys(tokens: list[int]) -> list[str]:
     """SGLang's storage keys of the full pages of ``tokens``."""
     return get_hash_str(tokens[: len(tokens) // PAGE * PAGE], None, page_size=PAGE)
@@ -150,6 +155,18 @@ class Tiers:
     fallbacks: dict[str, int]
 
 
+@dataclass
+class Arrival:
+    """A request whose prefetch has started (``Engine.arrive``): the prefix its device and host
+    tiers matched, and the storage's counters before the prefetch."""
+
+    req: Req
+    tokens: list[int]
+    device: int
+    host: int
+    counted: Counter
+
+
 class _Worker:
     def register_hicache_layer_transfer_counter(self, counter) -> None:
         pass
@@ -157,7 +174,13 @@ class _Worker:
 
 class Engine:
     """A model served under ``name`` with the storage extra config ``extra`` (see module
-    docstring); ``tp_rank``/``tp_size``: which shard of a tensor-parallel engine this is."""
+    docstring); ``tp_rank``/``tp_size``: which shard of a tensor-parallel engine this is.
+
+    The prefetch runs under the settings ``sgl-kvmap sglang-args`` emits: SGLang's ``timeout``
+    stop policy with the deadline ``extra`` sets (SGLang's defaults without one) and SGLang's own
+    prefetch threshold, unless ``prefetch_threshold`` (tokens) lowers it: the unit tests serve
+    prompts of a few 8-token pages, below SGLang's 256 tokens, which changes which prompts
+    prefetch at all, not how a prefetch runs."""
 
     def __init__(
         self,
@@ -170,6 +193,8 @@ class Engine:
         layout="page_first",
         page_size=PAGE,
         slots=SLOTS,
+        prefetch_threshold: int | None = None,
+        prefetch_policy: str = "timeout",
     ):
         _substitute_cuda_copies()
         self.model, self.name, self.page_size, self.slots = model, name, page_size, slots
@@ -186,9 +211,9 @@ class Engine:
             hicache_mem_layout=layout,
             hicache_write_policy="write_through",
             hicache_storage_backend="dynamic",
-            hicache_storage_prefetch_policy="wait_complete",
+            hicache_storage_prefetch_policy=prefetch_policy,
             hicache_storage_backend_extra_config=json.dumps(
-                {"prefetch_threshold": page_size, **extra}
+                {**extra, **_threshold(prefetch_threshold)}
             ),
         )
         server_args = self._args.install()
@@ -261,13 +286,25 @@ class Engine:
     def begin(self, tokens: list[int]) -> tuple[Req, torch.Tensor]:
         """Steps 1-4: prefetch, admission, allocation and load-back. Returns the request and
         the device slots of its prompt tokens."""
+        return self.admit(self.arrive(tokens))
+
+    def arrive(self, tokens: list[int]) -> Arrival:
+        """Step 1 for a request of prompt ``tokens``, as the scheduler does when it arrives: its
+        prefetch starts. Requests that arrive before any is admitted prefetch concurrently."""
         self._served += 1
         req = Req(
             f"{self.name}-{self._served}", "", array("q", tokens), SamplingParams(max_new_tokens=1)
         )
         counted = Counter(self.storage.counters)
         Scheduler._prefetch_kvcache(self, req)
-        device, host = req.prefix_len, req.host_hit_length
+        return Arrival(req, list(tokens), req.prefix_len, req.host_hit_length, counted)
+
+    def admit(self, arrival: Arrival) -> tuple[Req, torch.Tensor]:
+        """Steps 2-4 for an arrived request: the scheduler loop until its prefetch is done (or
+        cut), then admission, allocation and load-back. Returns the request and the device
+        slots of its prompt tokens."""
+        req, tokens, device, host = arrival.req, arrival.tokens, arrival.device, arrival.host
+        counted = arrival.counted
         self._pump_until(lambda: self.tree.check_prefetch_progress(req.cache_request_handle))
         self.tree.pop_prefetch_loaded_span(req.cache_request_handle)
         req.init_next_round_input(self.tree)
@@ -290,17 +327,20 @@ class Engine:
 
     def _tiers(self, reused: int, device: int, host: int, counted: Counter) -> Tiers:
         """Split ``reused`` tokens by tier; ``counted``: the storage's counters before the
-        prefetch (its translated pages since then were translated for this request)."""
+        prefetch. KVMapStorage hands SGLang this model's own pages first, then translated
+        ones, and SGLang keeps a leading part of them, so what it kept beyond the native pages
+        loaded for this request is translated."""
         new = Counter(self.storage.counters)
         new.subtract(counted)
         from_storage = reused - device - host
-        translated = min(from_storage, new["translated_pages"] * self.page_size)
+        native = min(from_storage, new["native_pages"] * self.page_size)
+        translated = from_storage - native
         fallbacks = {
             name.removeprefix("fallback."): n
             for name, n in new.items()
             if name.startswith("fallback.") and n > 0
         }
-        return Tiers(device, host, from_storage - translated, translated, fallbacks)
+        return Tiers(device, host, native, translated, fallbacks)
 
     def compute(
         self, tokens, slots, prefix: int, past: KVCache | None, logits: int | None = None
@@ -385,8 +425,10 @@ class TPGroup:
     rule, ``heads.rank_heads``); a request runs every rank's steps in lockstep, and the forward
     reads the prefix from the ranks' pools, every head once."""
 
-    def __init__(self, model: LoadedModel, name: str, extra: dict, tp_size: int):
-        self.ranks = [Engine(model, name, extra, rank, tp_size) for rank in range(tp_size)]
+    def __init__(self, model: LoadedModel, name: str, extra: dict, tp_size: int, **engine):
+        self.ranks = [
+            Engine(model, name, extra, rank, tp_size, **engine) for rank in range(tp_size)
+        ]
 
     def serve(self, tokens: list[int]) -> list[Served]:
         begun = [rank.begin(tokens) for rank in self.ranks]

@@ -24,6 +24,7 @@ BACKEND = {
 }
 INNER_BACKENDS = ("file",)
 SINK_POLICIES = ("translate", "native")
+MAX_CONCURRENT_TRANSLATIONS = 64
 
 
 @dataclass(frozen=True)
@@ -69,16 +70,26 @@ class StorageSettings:
     page when this engine has no copy of its own (a swap into a fresh engine), "native" only
     translates after a first page of its own. tail_pages: the last pages of a translatable run
     that this engine computes itself instead (the hand-off's recomputed tail; 0 translates
-    every page a peer stored).
+    every page a peer stored). concurrent_translations: swaps translated at once (each on a
+    worker thread of its own; a swap arriving while all are busy is prefilled, counted); the
+    prefetch deadline ``sglang-args`` sets covers this many at once.
     interface_v1: SGLang's own key, which must be on (positions and provenance come with the v1
-    calls). model_path: this engine's model, if its served name is not a path or Hub id."""
+    calls). model_path: this engine's model, if its served name is not a path or Hub id.
+    stats_path: a folder where the engine keeps its counters as JSON (one file per TP rank,
+    ``<served name>_<rank>_<size>.json``, rewritten as they change; "" for none).
+    audit_translations: also store every translated page this engine receives, in its own
+    store under the page's key plus ``.translated`` (never read as a page of any model), to
+    check translations against their source afterwards."""
 
     inner_backend: str = "file"
     translate: bool = False
     sinks: str = "translate"
     tail_pages: int = 1  # docs/LOG.md, serving fidelity: the tail beats translating it
+    concurrent_translations: int = 2
     interface_v1: bool = False
     model_path: str = ""
+    stats_path: str = ""
+    audit_translations: bool = False
     peers: tuple[PeerSettings, ...] = ()
 
     def __post_init__(self) -> None:
@@ -91,6 +102,11 @@ class StorageSettings:
             )
         if self.tail_pages < 0:
             raise KVMapError(f"tail_pages must be >= 0, got {self.tail_pages}")
+        if not 1 <= self.concurrent_translations <= MAX_CONCURRENT_TRANSLATIONS:
+            raise KVMapError(
+                f"concurrent_translations must be 1..{MAX_CONCURRENT_TRANSLATIONS}, got "
+                f"{self.concurrent_translations}"
+            )
         if self.sinks not in SINK_POLICIES:
             raise KVMapError(f"sinks must be one of {SINK_POLICIES}, got {self.sinks!r}")
 

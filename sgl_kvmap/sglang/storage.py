@@ -3,53 +3,71 @@
 Loaded by SGLang (0.5.23) as a ``dynamic`` HiCache storage backend. It wraps a built-in store
 (``file``), through which this engine stores and reads its own pages as usual, and adds:
 
-- Write side: beside every page it stores as its own, a page record (``records``): the page's
-  index in its sequence, its parent key, its byte format and a CRC. SGLang's write-through
-  knows the index (it passes the prefix's page keys with every batch); a reader does not.
+- Write side: beside every page it stores as its own, a page record (``records``) under the
+  page's key plus ``.kvmap`` in the same store: the page's index in its sequence, its parent
+  key, its byte format, the writer's model identity (``identity``) and a CRC. SGLang's
+  write-through knows the index (it passes the prefix's page keys with every batch); a reader
+  does not.
 - Read side: when a prefix's next pages are not stored for THIS model but a peer model of the
-  same family (same tokenizer, so the same page keys) stored them with records, it reads the
-  peer's pages, checks them against their records, translates them at their recorded
-  positions with the pair's mapper pack (``kernels.translate_pages``; on the engine's GPU when
-  it has one) and writes them into this engine's host pool in its own layout and head shard.
+  same family (same tokenizer, so the same page keys) stored them with records, the hit query
+  (``batch_exists``) promises the longest run a peer holds with valid, chained records and
+  starts translating it on a worker thread (``jobs``); the transfer (``batch_get_v1``) waits
+  for that job, never past its deadline, and copies the translated pages into this engine's
+  host slots, in its own layout and head shard.
 
 Rules (docs/sglang.md):
 - Native pages always win; translation is off unless the operator enables it.
-- Provenance: every page this process translated is remembered for the life of the process
-  (the only time it can sit in this engine's radix tree), and no page whose prefix runs through
-  one is ever stored as this model's page: translated KV is never served as exact KV, nor
-  becomes the source of a further translation.
+- Provenance (``provenance``): no page that is, or descends from, a translation this engine
+  holds is ever stored as this model's page: translated KV is never served as exact KV, nor
+  becomes the source of a further translation. A write without prefix keys (PD decode-side
+  offload) cannot be checked and stores nothing.
 - Fallback: a missing, damaged or mismatched pack, a page without a record or whose bytes do
-  not match it, a peer with another page size or geometry, non-finite values, a failing peer
-  store or any translation error makes the page unavailable; SGLang then prefills it as if
-  sgl-kvmap were absent. Every reason is counted (``counters``) and logged once; nothing is
-  raised into the scheduler.
+  not match it, a record of another model, a peer with another page size or geometry,
+  non-finite values, a failing peer store, a page lost after the hit query, a job past its
+  deadline, every worker busy or any translation error makes the page unavailable; SGLang then
+  prefills it as if sgl-kvmap were absent. Every reason is counted (``counters``, also written
+  to ``stats_path``) and logged once; nothing is raised into the scheduler.
 
-This is the only module that imports sglang.
+This module and the in-process harness ``engine`` (which drives SGLang's scheduler calls for the
+tests and the benchmark) are the only modules that import sglang.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import math
+import os
 import threading
+import time
 from collections import Counter
+from pathlib import Path
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 from ..core.errors import KVMapError, PackError, PairMismatchError
+from ..core.files import staged_file
 from ..core.mapper import KVMapper
 from ..core.spec import ModelSpec, check_models, check_pair, spec_from_pretrained
 from .heads import rank_heads, ranks_covering_heads
+from .identity import DIGITS, identity_config, local_weights_digest, model_identity, split_identity
+from .jobs import Job, JobPool
 from .pages import PageFormat
-from .records import PageRecord, empty_record, page_crc32
+from .provenance import Provenance, Verdict
+from .records import PageRecord, empty_record, page_crc32, record_key
 from .settings import PeerSettings, StorageSettings
-from .translation import translate_tokens
+from .translation import staging, translate_run
 
 log = logging.getLogger(__name__)
 
-RECORDS_SUFFIX = ".kvmap-records"  # the records' identity in the store: "<model>.kvmap-records"
+AUDIT_SUFFIX = ".translated"  # audit copies of translated pages: key + this, in this engine's store
+DEADLINE_SHARE = 0.8  # of SGLang's prefetch deadline a job may take (its clock starts earlier)
+LEDGER_PER_HOST_PAGE = 4  # provenance ledger entries per host-pool page
+NO_WEIGHTS = "0" * 64  # the weights digest of a model folder without weight files
+_NO_EVICTION = {"max_size": 0, "min_free_space": 0}  # a reader never evicts a peer's files
 
 
 class _Skip(Exception):
@@ -61,60 +79,132 @@ class _Skip(Exception):
 
 
 @dataclasses.dataclass
+class Translated:
+    """A job's result: this engine's pages of the run's leading pages (flat, in its format)
+    and their CRC-32s; ``short``: why the run stopped before its last page, if it did."""
+
+    pages: list[torch.Tensor]
+    crcs: list[int]
+    short: _Skip | None = None
+
+
+@dataclasses.dataclass
 class Peer:
     """A peer engine whose stored pages this engine translates.
 
     ranks: the peer's TP ranks whose pages hold each of its KV heads once (head order);
-    pages / records: the page store and the record store of each of those ranks; mapper: the
-    pair's mapper, restricted to this rank's target heads and moved to ``device``."""
+    stores: the store of each of those ranks (its pages and their records); mapper: the pair's
+    mapper, restricted to this rank's target heads and moved to ``device``; weights: the digest
+    its records must name for the peer's weights (``identity``: from the peer's model folder
+    when this host has its weight files, else pinned to the first record read)."""
 
     settings: PeerSettings
     spec: ModelSpec
     ranks: list[int]
-    pages: dict[int, HiCacheStorage]
-    records: dict[int, HiCacheStorage]
+    stores: dict[int, HiCacheStorage]
     mapper: KVMapper
     device: torch.device
+    weights: str | None
+
+    @property
+    def name(self) -> str:
+        return self.settings.model_name
 
     def expected_format(self, rank: int, page_size: int) -> tuple:
         heads = len(rank_heads(self.spec.num_kv_heads, self.settings.tp_size, rank))
         return (page_size, self.spec.num_layers, heads, self.spec.head_dim)
 
-    def record_of(self, key: str, rank: int, page_size: int) -> PageRecord:
-        """The record of ``key`` on ``rank``, checked against what this pair needs."""
-        if not self.records[rank].exists(key) or not self.pages[rank].exists(key):
-            raise _Skip("peer_page_missing", f"{self.settings.model_name} holds no page {key}")
-        data = self.records[rank].get(key, empty_record())
+    def records(self, keys: list[str], page_size: int) -> list[dict[int, PageRecord]]:
+        """The records of the leading ``keys`` every rank has, each checked against what this
+        pair needs (_Skip at the first that is not right)."""
+        names = [record_key(key) for key in keys]
+        held = min(self.stores[rank].batch_exists(names) for rank in self.ranks)
+        return [
+            {rank: self._record(key, name, rank, page_size) for rank in self.ranks}
+            for key, name in zip(keys[:held], names)
+        ]
+
+    def _record(self, key: str, name: str, rank: int, page_size: int) -> PageRecord:
+        data = self.stores[rank].get(name, empty_record())
+        if data is None:
+            raise _Skip("peer_page_missing", f"{self.name} lost the record of page {key}")
         try:
             record = PageRecord.from_tensor(data)
         except KVMapError as error:
             raise _Skip("record_invalid", f"page {key}: {error}") from None
+        self._check_writer(record, key)
         got = (record.page.page_size, record.page.layers, record.page.heads, record.page.head_dim)
         want, shard = self.expected_format(rank, page_size), (rank, self.settings.tp_size)
         if got != want or (record.tp_rank, record.tp_size) != shard:
             raise _Skip(
                 "peer_format",
-                f"{self.settings.model_name} rank {rank} stores pages of (page, layers, heads, "
-                f"dim) {got} at TP {record.tp_rank}/{record.tp_size}; this pair needs {want} at "
-                f"TP {rank}/{shard[1]}",
+                f"{self.name} rank {rank} stores pages of (page, layers, heads, dim) {got} at TP "
+                f"{record.tp_rank}/{record.tp_size}; this pair needs {want} at TP "
+                f"{rank}/{shard[1]}",
             )
+        limit = self.spec.config.get("max_position_embeddings")
+        if limit and (record.index + 1) * record.page.page_size > limit:
+            raise _Skip("record_invalid", f"page {key} sits at index {record.index}, past {limit}")
         return record
 
-    def page_tokens(self, key: str, records: dict[int, PageRecord]) -> torch.Tensor:
-        """The peer's page ``key`` as [2, page, layers, heads, dim], every head (ranks joined),
-        each rank's bytes checked against its record."""
-        shards = []
+    def _check_writer(self, record: PageRecord, key: str) -> None:
+        """The record's writer must be the model the pack was fitted for, with the weights
+        this peer serves."""
+        try:
+            config, weights = split_identity(record.model)
+        except KVMapError as error:
+            raise _Skip("record_invalid", f"page {key}: {error}") from None
+        if config != identity_config(self.mapper.source):
+            raise _Skip(
+                "peer_model_changed",
+                f"{self.name} page {key} was written by a model of configuration {config}, not "
+                "the one the pack was fitted for",
+            )
+        if self.weights is None:
+            self.weights = weights
+        if weights != self.weights:
+            raise _Skip(
+                "peer_model_changed",
+                f"{self.name} page {key} was written with weights {weights}; this engine "
+                f"translates pages of weights {self.weights}",
+            )
+
+    def tokens(self, keys: list[str], records: list[dict[int, PageRecord]], job: Job):
+        """The leading pages of ``keys`` that read back as recorded, as [2, tokens, layers,
+        heads, dim] (every head: the ranks joined) in this thread's staging buffer, and why
+        they stop short, if they do."""
+        page = next(iter(records[0].values())).page
+        size, heads = page.page_size, self.spec.num_kv_heads
+        shape = (2, len(keys) * size, self.spec.num_layers, heads, self.spec.head_dim)
+        source = staging("source", shape, page.dtype)
+        read = 0
+        try:
+            for key, key_records in zip(keys, records):
+                if job.stopped():
+                    raise _Skip("deadline", f"the prefetch deadline passed at page {key}")
+                self._read(key, key_records, source[:, read * size : (read + 1) * size])
+                read += 1
+        except _Skip as skip:
+            return source[:, : read * size].contiguous(), skip
+        return source, None
+
+    def _read(self, key: str, records: dict[int, PageRecord], out: torch.Tensor) -> None:
+        """Page ``key`` of every rank, checked against its record, into ``out``: [2, page,
+        layers, heads, dim]."""
+        head = 0
         for rank in self.ranks:
             record = records[rank]
-            buffer = record.page.empty_page(pin=self.device.type == "cuda")
-            flat = self.pages[rank].get(key, buffer)
-            if flat is None or page_crc32(flat) != record.crc32:
+            flat = self.stores[rank].get(
+                key, staging(("page", rank), (record.page.numel,), record.page.dtype)
+            )
+            if flat is None:
+                raise _Skip("peer_page_lost", f"{self.name} lost page {key} after the hit query")
+            if page_crc32(flat) != record.crc32:
                 raise _Skip("peer_page_damaged", f"page {key} does not match its record")
-            shards.append(record.page.to_tokens(flat))
-        tokens = torch.cat(shards, dim=3)
-        if not tokens.isfinite().all():
+            out[:, :, :, head : head + record.page.heads] = record.page.to_tokens(flat)
+            head += record.page.heads
+        if not out.isfinite().all():
             raise _Skip("peer_page_not_finite", f"page {key} holds NaN or inf")
-        return tokens
 
 
 class KVMapStorage(HiCacheStorage):
@@ -131,13 +221,19 @@ class KVMapStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None):
         self.storage_config = storage_config
         self.settings = StorageSettings.from_extra_config(storage_config.extra_config or {})
+        _check_write_positions(self.settings)
         self.counters: Counter[str] = Counter()
         self.inner: HiCacheStorage | None = None
-        self.own_records: HiCacheStorage | None = None
         self.peers: list[Peer] = []
         self.page: PageFormat | None = None
-        self._translated: set[bytes | str] = set()
+        self.identity: str | None = None
+        self.provenance: Provenance | None = None
+        self.jobs: JobPool | None = None
+        self._staged: dict[str, Job] = {}  # page key -> the job translating it
+        self._timeouts = _prefetch_timeouts()
         self._lock = threading.RLock()  # HiCache reads and writes from different threads
+        self._stats_file = _stats_file(self.settings, storage_config)
+        self._published: dict = {}
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -149,24 +245,30 @@ class KVMapStorage(HiCacheStorage):
             self.page = _host_page_format(mem_pool_host)
         except (AttributeError, KVMapError) as error:
             self._fallback("pool_unsupported", f"cannot record or translate this pool: {error}")
-            return
-        self.own_records = _records_store(self.storage_config)
-        self.peers = self._connect_peers() if self.settings.translate else []
+            return self._publish()
+        pages = max(1, mem_pool_host.size // mem_pool_host.page_size)
+        self.provenance = Provenance(LEDGER_PER_HOST_PAGE * pages)
+        own = self._own_spec()
+        if own is not None and self.settings.translate:
+            self.peers = [p for s in self.settings.peers if (p := self._connect(s, own))]
+        if self.peers:
+            self.jobs = JobPool(self.settings.concurrent_translations)
+        self._publish()
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name):
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
         self.inner.register_mem_host_pool_v2(host_pool, host_pool_name)
 
-    def _connect_peers(self) -> list[Peer]:
-        if not self.settings.interface_v1:
-            self._fallback("interface_v1_off", 'translation needs "interface_v1": 1')
-            return []
+    def _own_spec(self) -> ModelSpec | None:
+        """This engine's model spec, and its identity for the records it writes."""
+        path = self.settings.model_path or self.storage_config.model_name
         try:
-            own = spec_from_pretrained(self.settings.model_path or self.storage_config.model_name)
+            own = spec_from_pretrained(path)
         except Exception as error:  # noqa: BLE001 - any failure to read the model means: no translation
             self._fallback("model_unverifiable", f"cannot read this engine's model: {error}")
-            return []
-        return [peer for s in self.settings.peers if (peer := self._connect(s, own)) is not None]
+            return None
+        self.identity = model_identity(own, local_weights_digest(path) or NO_WEIGHTS)
+        return own
 
     def _connect(self, settings: PeerSettings, own: ModelSpec) -> Peer | None:
         try:
@@ -187,17 +289,26 @@ class KVMapStorage(HiCacheStorage):
         except Exception as error:  # noqa: BLE001 - e.g. the peer model cannot be read
             return self._fallback("peer_unverifiable", f"peer {settings.model_name}: {error}")
         device = _engine_device(self.mem_pool_host)
-        configs = {r: _peer_config(self.storage_config, settings, r) for r in ranks}
         log.info("sgl-kvmap: translating pages of %s with %s", settings.model_name, settings.pack)
         return Peer(
             settings,
             peer,
             ranks,
-            pages={r: _built_in(self.settings.inner_backend, c) for r, c in configs.items()},
-            records={r: _records_store(c) for r, c in configs.items()},
+            stores={r: self._peer_store(settings, r) for r in ranks},
             mapper=mapper.to(device),
             device=device,
+            weights=_short(local_weights_digest(settings.model_path)),
         )
+
+    def _peer_store(self, peer: PeerSettings, rank: int) -> HiCacheStorage:
+        """The store of one rank of the peer engine (this engine's store, the peer's name),
+        read only: it never evicts the peer's files (the peer's own store bounds them)."""
+        own = self.storage_config
+        extra = {**(own.extra_config or {}), **_NO_EVICTION}
+        config = dataclasses.replace(
+            own, model_name=peer.model_name, tp_rank=rank, tp_size=peer.tp_size, extra_config=extra
+        )
+        return _built_in(self.settings.inner_backend, config)
 
     def _this_ranks_mapper(self, mapper: KVMapper) -> KVMapper:
         """The pair's mapper restricted to the KV heads this TP rank holds (SGLang's rule)."""
@@ -215,16 +326,109 @@ class KVMapStorage(HiCacheStorage):
             )
         return mapper if len(heads) == target.num_kv_heads else mapper.for_target_heads(heads)
 
-    # -- read side ------------------------------------------------------------------------
+    # -- read side: the hit query ---------------------------------------------------------
 
     def batch_exists(self, keys: list[str], extra_info=None) -> int:
-        """Leading pages that are stored for this model, then translatable from a peer."""
+        """Leading pages that are stored for this model, then translatable from a peer (whose
+        translation starts now, on a worker)."""
         native = self.inner.batch_exists(keys, extra_info)
         if native == len(keys) or not self.peers:
             return native
+        self._expire_jobs()
+        if self.provenance is not None and _prefix(extra_info):
+            self.provenance.seen(_prefix(extra_info))
         parent = keys[native - 1] if native else None
-        run = max(len(self._run(peer, keys[native:], parent)[0]) for peer in self.peers)
-        return native + max(0, run - self.settings.tail_pages)  # the tail: computed by SGLang
+        promised = native + self._promise(keys[native:], parent, requested=len(keys))
+        self._publish()
+        return promised
+
+    def _promise(self, keys: list[str], parent: str | None, requested: int) -> int:
+        """Start translating the longest run of ``keys`` a peer holds (``requested``: pages in
+        the whole prefetch, which sets SGLang's deadline); how many pages it covers."""
+        with self._lock:
+            job = self._staged.get(keys[0])
+        if job is not None:  # a hit query repeated for a run already being translated
+            return _covered(job, keys)
+        runs = [(peer, self._run(peer, keys, parent)) for peer in self.peers]
+        peer, records = max(runs, key=lambda run: len(run[1]))
+        records = records[: max(0, len(records) - self.settings.tail_pages)]
+        if not records:
+            return 0
+        run = keys[: len(records)]
+        job = self.jobs.submit(run, self._deadline(requested), self._work(peer, records))
+        if job is None:
+            self._fallback("translation_busy", f"all {self.jobs.slots} translation workers busy")
+            return 0
+        with self._lock:
+            self._staged.update(dict.fromkeys(run, job))
+        return len(run)
+
+    def _run(self, peer: Peer, keys: list[str], parent: str | None) -> list:
+        """The records of the leading ``keys`` ``peer`` stored with valid, chained records.
+        ``parent``: the key before ``keys[0]``, when known."""
+        try:
+            found = peer.records(keys, self.page.page_size)
+            return self._chained(found, keys, parent)
+        except _Skip as skip:
+            self._fallback(skip.reason, str(skip))
+        except Exception as error:  # noqa: BLE001 - a failing peer store hides only the peer
+            self._fallback("peer_store_error", f"{peer.name}: {error}")
+        return []
+
+    def _chained(self, found: list, keys: list[str], parent: str | None) -> list:
+        run: list[dict[int, PageRecord]] = []
+        for key, records in zip(keys, found):
+            first = next(iter(records.values()))
+            same = (first.index, first.parent, first.page.dtype)
+            if any((r.index, r.parent, r.page.dtype) != same for r in records.values()):
+                raise _Skip("record_invalid", f"the peer's ranks disagree on page {key}")
+            if run and first.page.dtype != next(iter(run[0].values())).page.dtype:
+                raise _Skip("record_invalid", f"page {key} changes the run's dtype")
+            if parent is not None and first.parent != parent:
+                raise _Skip("record_invalid", f"page {key} does not follow page {parent}")
+            if run and first.index != next(iter(run[-1].values())).index + 1:
+                raise _Skip("record_invalid", f"page {key} breaks the recorded positions")
+            if first.index == 0 and self.settings.sinks == "native":
+                raise _Skip("no_native_sink_page", "the prefix's first page is not stored natively")
+            run.append(records)
+            parent = key
+        return run
+
+    def _deadline(self, requested_pages: int) -> float:
+        """When a job's transfer stops waiting for it: a share of SGLang's prefetch deadline
+        for ``requested_pages`` pages (no limit under SGLang's wait_complete policy)."""
+        policy, base, per_ki_token = self._timeouts
+        if policy == "wait_complete":
+            return math.inf
+        seconds = base + per_ki_token * requested_pages * self.page.page_size / 1024
+        return time.monotonic() + DEADLINE_SHARE * seconds
+
+    def _work(self, peer: Peer, records: list):
+        """The job translating ``records``' pages of ``peer`` (runs on a worker thread)."""
+
+        def work(job: Job) -> Translated:
+            source, short = peer.tokens(job.keys, records, job)
+            if not source.shape[1]:
+                return Translated([], [], short)
+            first = next(iter(records[0].values())).first_token
+            pages = translate_run(peer.mapper, source, first, self.page)
+            return Translated(pages, [page_crc32(page) for page in pages], short)
+
+        return work
+
+    def _expire_jobs(self) -> None:
+        """Drop the jobs whose pages SGLang never asked for (a revoked or trimmed hit)."""
+        for job in self.jobs.expire():
+            self._unstage(job)
+            self._count("translation_unused")
+
+    def _unstage(self, job: Job) -> None:
+        with self._lock:
+            for key in job.keys:
+                if self._staged.get(key) is job:
+                    del self._staged[key]
+
+    # -- read side: the transfer ----------------------------------------------------------
 
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info=None
@@ -235,8 +439,8 @@ class KVMapStorage(HiCacheStorage):
         done = 0
         if native < len(keys) and self.peers:
             size = self.page.page_size
-            parent = keys[native - 1] if native else None
-            done = self._translate_into_host(keys[native:], host_indices[native * size :], parent)
+            done = self._deliver(keys[native:], host_indices[native * size :])
+            self._publish()
         return [True] * (native + done) + [False] * (len(keys) - native - done)
 
     def _load_native(self, keys, host_indices) -> int:
@@ -255,125 +459,92 @@ class KVMapStorage(HiCacheStorage):
         self._count("native_pages", loaded)
         return loaded
 
-    def _run(self, peer: Peer, keys: list[str], parent: str | None):
-        """The leading keys whose pages ``peer`` stored with valid, chained records: (keys,
-        their records per rank). ``parent``: the key before ``keys[0]``, when known."""
-        run: list[dict[int, PageRecord]] = []
-        try:
-            for key in keys:
-                records = {r: peer.record_of(key, r, self.page.page_size) for r in peer.ranks}
-                self._check_chain(records, run, parent, key)
-                run.append(records)
-                parent = key
-        except _Skip as skip:
-            if skip.reason != "peer_page_missing" or not run:
-                self._fallback(skip.reason, str(skip))
-        except Exception as error:  # noqa: BLE001 - a failing peer store hides only the peer
-            self._fallback("peer_store_error", f"{peer.settings.model_name}: {error}")
-        return keys[: len(run)], run
-
-    def _check_chain(self, records: dict[int, PageRecord], run: list, parent, key: str) -> None:
-        first = next(iter(records.values()))
-        if any((r.index, r.parent) != (first.index, first.parent) for r in records.values()):
-            raise _Skip("record_invalid", f"the peer's ranks disagree on page {key}")
-        if parent is not None and first.parent != parent:
-            raise _Skip("record_invalid", f"page {key} does not follow page {parent}")
-        if run and first.index != next(iter(run[-1].values())).index + 1:
-            raise _Skip("record_invalid", f"page {key} breaks the recorded positions")
-        if first.index == 0 and self.settings.sinks == "native":
-            raise _Skip("no_native_sink_page", "the prefix's first page is not stored natively")
-
-    def _translate_into_host(self, keys, host_indices, parent) -> int:
-        try:
-            for peer in self.peers:
-                keys, records = self._run(peer, keys, parent)
-                if keys:
-                    return self._translate_run(peer, keys, records, host_indices)
+    def _deliver(self, keys: list[str], host_indices: torch.Tensor) -> int:
+        """Wait for the job translating ``keys`` (started now if the hit query did not) and
+        copy its pages into ``host_indices``; how many pages SGLang received."""
+        job = self._job_for(keys)
+        if job is None:
             return 0
-        except _Skip as skip:
-            self._fallback(skip.reason, str(skip))
-        except Exception as error:  # noqa: BLE001 - any failure: SGLang prefills these pages itself
+        try:
+            result = job.wait()
+        except Exception as error:  # noqa: BLE001 - any failure: SGLang prefills these pages
             log.exception("sgl-kvmap: translation failed")
-            self._fallback("translation_error", str(error))
-        return 0
-
-    def _translate_run(self, peer: Peer, keys, records, host_indices) -> int:
-        """Translate the peer's pages ``keys`` into this engine's host slots; how many."""
-        size = self.page.page_size
-        pages = self._readable_pages(peer, keys, records)
-        if not pages:
+            result = Translated([], [], _Skip("translation_error", str(error)))
+        finally:
+            self.jobs.release(job)
+            self._unstage(job)
+        if result is None:
+            self._fallback("deadline", f"translating {len(job.keys)} pages missed the deadline")
             return 0
-        keys, source = keys[: len(pages)], torch.cat(pages, dim=1)
-        start = next(iter(records[0].values())).first_token
-        positions = torch.arange(start, start + source.shape[1])
-        target = translate_tokens(peer.mapper, source, positions, self.page.dtype)
-        for i, key in enumerate(keys):
-            page = self.page.from_tokens(target[:, i * size : (i + 1) * size])
+        offset, wanted = job.keys.index(keys[0]), _covered(job, keys)
+        pages, crcs = result.pages[offset : offset + wanted], result.crcs[offset : offset + wanted]
+        if result.short is not None and len(pages) < wanted:
+            self._fallback(result.short.reason, str(result.short))
+        size = self.page.page_size
+        for i, (key, page, crc) in enumerate(zip(keys, pages, crcs)):
             self.mem_pool_host.set_from_flat_data_page(int(host_indices[i * size]), page)
-            self._remember_translated(key)
-        self._count("translated_pages", len(keys))
-        return len(keys)
+            self.provenance.delivered(key, crc)
+            if self.settings.audit_translations:
+                self.inner.set(key + AUDIT_SUFFIX, page)
+        self._count("translated_pages", len(pages))
+        return len(pages)
 
-    def _readable_pages(self, peer: Peer, keys, records) -> list[torch.Tensor]:
-        """The leading pages of ``keys`` that read back as recorded (a damaged page ends them)."""
-        pages = []
-        try:
-            for key, key_records in zip(keys, records):
-                pages.append(peer.page_tokens(key, key_records))
-        except _Skip as skip:
-            self._fallback(skip.reason, str(skip))
-        return pages
+    def _job_for(self, keys: list[str]) -> Job | None:
+        """The job translating ``keys[0]`` onwards; one is started if none is (SGLang may
+        transfer a run it proved stored earlier without asking again)."""
+        with self._lock:
+            job = self._staged.get(keys[0])
+        if job is None and self._promise(keys, None, requested=len(keys)):
+            with self._lock:
+                job = self._staged.get(keys[0])
+        return job
 
     # -- write side -----------------------------------------------------------------------
 
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info=None
     ) -> list[bool]:
-        """Store this model's pages with their records, except translated pages and every
-        page after one. Withheld pages report success, so HiCache does not retry them."""
-        prefix = _prefix(extra_info)
-        keep = self._storable(prefix, keys)
-        self._count("pages_withheld", len(keys) - keep)
-        host = self.mem_pool_host
-        size = host.page_size
-        pages = [host.get_data_page(int(host_indices[i * size])) for i in range(keep)]
-        stored = bool(self.inner.batch_set(list(keys[:keep]), pages)) if keep else True
-        if stored and keep and self.own_records is not None:
-            self._write_records(prefix, keys[:keep], pages)
+        """Store this model's pages with their records, except translated pages and every page
+        after one (``provenance``). Withheld pages report success, so HiCache does not retry
+        them."""
+        host, prefix = self.mem_pool_host, _prefix(extra_info)
+        pages = [
+            host.get_data_page(int(host_indices[i * host.page_size])) for i in range(len(keys))
+        ]
+        crcs = [page_crc32(page) for page in pages] if self.provenance is not None else []
+        keep = self._storable(prefix, list(keys), crcs)
+        stored = bool(self.inner.batch_set(list(keys[:keep]), pages[:keep])) if keep else True
+        if stored and keep and self.identity is not None:
+            self._write_records(prefix, keys[:keep], crcs[:keep])
+        self._publish()
         return [stored] * keep + [True] * (len(keys) - keep)
 
-    def _storable(self, prefix: list[str] | None, keys: list[str]) -> int:
-        """How many leading ``keys`` this engine computed itself from its own KV."""
-        with self._lock:
-            if not self._translated:
-                return len(keys)
-            if prefix is None:  # the chain cannot be checked: store nothing
-                self._fallback("prefix_keys_missing", "no prefix_keys on a write")
-                return 0
-            chain = [*prefix, *keys]
-            first = next(
-                (i for i, key in enumerate(chain) if _compact(key) in self._translated),
-                len(chain),
-            )
-        return max(0, min(len(keys), first - len(prefix)))
+    def _storable(self, prefix: list[str] | None, keys: list[str], crcs: list[int]) -> int:
+        """How many leading ``keys`` (bytes of CRC-32 ``crcs``) this engine computed from its
+        own KV; the rest are counted as withheld."""
+        if prefix is None:  # PD decode-side offload: nothing says what these pages descend from
+            self._fallback("prefix_keys_missing", "pages written without prefix keys: not stored")
+            verdict = Verdict(0, 0)
+        elif self.provenance is None:
+            verdict = Verdict(len(keys), 0)
+        else:
+            verdict = self.provenance.verdict(prefix, keys, crcs)
+        self._count("pages_withheld", len(keys) - verdict.storable)
+        self._count("translated_pages_discarded", verdict.recomputed)
+        return verdict.storable
 
-    def _write_records(self, prefix: list[str] | None, keys: list[str], pages) -> None:
-        if prefix is None:
-            self._fallback("prefix_keys_missing", "pages stored without positions (no records)")
-            return
+    def _write_records(self, prefix: list[str], keys: list[str], crcs: list[int]) -> None:
         config = self.storage_config
-        for i, (key, page) in enumerate(zip(keys, pages)):
-            index = len(prefix) + i
+        names, records = [], []
+        for i, (key, crc) in enumerate(zip(keys, crcs)):
             parent = keys[i - 1] if i else (prefix[-1] if prefix else "")
-            record = PageRecord(
-                index, parent, self.page, config.tp_rank, config.tp_size, page_crc32(page)
-            )
-            if not self.own_records.set(key, record.to_tensor()):
-                self._fallback("record_write_failed", f"no record for page {key}")
-
-    def _remember_translated(self, key: str) -> None:
-        with self._lock:
-            self._translated.add(_compact(key))
+            index = len(prefix) + i
+            rank, size = config.tp_rank, config.tp_size
+            record = PageRecord(index, parent, self.page, rank, size, self.identity, crc)
+            names.append(record_key(key))
+            records.append(record.to_tensor())
+        if not self.inner.batch_set(names, records):
+            self._fallback("record_write_failed", f"no records for pages {keys[0]}..")
 
     # -- the rest of the interface: this model's own pages, as the inner store has them ------
 
@@ -387,12 +558,11 @@ class KVMapStorage(HiCacheStorage):
         return self.batch_set([key], [value])
 
     def batch_set(self, keys, values=None, target_locations=None, target_sizes=None) -> bool:
-        """SGLang's non-v1 write: no prefix keys, so no records; withheld if this process has
-        translated anything (the chain cannot be checked)."""
-        if self._storable(None, list(keys)) < len(keys):
-            self._count("pages_withheld", len(keys))
-            return True
-        return self.inner.batch_set(keys, values)
+        """SGLang's non-v1 write carries no prefix keys: what the pages descend from cannot be
+        checked, so none is stored (they report success, so HiCache does not retry)."""
+        self._storable(None, list(keys), [])
+        self._publish()
+        return True
 
     def exists(self, key) -> bool:
         return self.inner.exists(key)
@@ -410,15 +580,20 @@ class KVMapStorage(HiCacheStorage):
         self.inner.clear()
 
     def close(self) -> None:
-        stores = [self.inner, self.own_records]
-        stores += [s for peer in self.peers for s in (*peer.pages.values(), *peer.records.values())]
+        if self.jobs is not None:
+            self.jobs.close()
+        stores = [self.inner, *(s for peer in self.peers for s in peer.stores.values())]
         for store in stores:
             if hasattr(store, "close"):
                 store.close()
+        self._publish()
+
+    # -- counters -------------------------------------------------------------------------
 
     def _count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self.counters[name] += n
+        if n:
+            with self._lock:
+                self.counters[name] += n
 
     def _fallback(self, reason: str, message: str) -> None:
         """Count a reason translation (or a record) did not happen; log it the first time."""
@@ -429,9 +604,36 @@ class KVMapStorage(HiCacheStorage):
             self.counters[name] += 1
         return None
 
+    def _publish(self) -> None:
+        """Rewrite the stats file if the counters changed since it was last written."""
+        if self._stats_file is None:
+            return
+        with self._lock:
+            counters = dict(self.counters)
+            if counters == self._published:
+                return
+            self._published = counters
+            stats = {"counters": counters, "pid": os.getpid(), "time": time.time()}
+            try:
+                with staged_file(self._stats_file) as staged:
+                    staged.write_text(json.dumps(stats, sort_keys=True))
+            except OSError as error:
+                log.warning("sgl-kvmap: cannot write %s: %s", self._stats_file, error)
+
 
 class _TokenizerMismatch(PairMismatchError):
     pass
+
+
+def _covered(job: Job, keys: list[str]) -> int:
+    """How many of ``keys``, from the first, ``job`` translates in the same order."""
+    offset = job.keys.index(keys[0])
+    count = 0
+    for key, translated in zip(keys, job.keys[offset:]):
+        if key != translated:
+            break
+        count += 1
+    return count
 
 
 def _check_tokenizers(mapper: KVMapper, peer: ModelSpec, own: ModelSpec) -> None:
@@ -443,16 +645,52 @@ def _check_tokenizers(mapper: KVMapper, peer: ModelSpec, own: ModelSpec) -> None
             raise _TokenizerMismatch(str(error)) from None
 
 
+def _check_write_positions(settings: StorageSettings) -> None:
+    """A page's position reaches its record only through SGLang's v1 calls with prefix keys."""
+    missing = [] if settings.interface_v1 else ['"interface_v1": 1']
+    memory = _memory_config()
+    if memory is not None and not _prefix_keys_passed(memory):
+        missing.append('"hicache_storage_pass_prefix_keys": true')
+    if missing:
+        raise KVMapError(
+            f"KVMapStorage needs {' and '.join(missing)} in the extra config (pages are stored "
+            "only with their positions); `sgl-kvmap sglang-args` prints both"
+        )
+
+
+def _memory_config():
+    """The server's memory settings as SGLang publishes them in its processes (HiCache's among
+    them); None outside one."""
+    try:
+        from sglang.srt.runtime_context import get_memory
+
+        return get_memory()
+    except Exception:  # noqa: BLE001 - not published: a backend built outside a server
+        return None
+
+
+def _prefix_keys_passed(memory) -> bool:
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+
+    extra = memory.hicache_storage_backend_extra_config
+    return HybridCacheController.parse_storage_backend_extra_config(extra)[4]
+
+
+def _prefetch_timeouts() -> tuple[str, float, float]:
+    """SGLang's prefetch stop policy and its deadline's two terms, read with SGLang's own
+    parser from the server's arguments (its defaults outside a server)."""
+    memory = _memory_config()
+    if memory is None:
+        return "timeout", 1.0, 0.25
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+
+    extra = memory.hicache_storage_backend_extra_config
+    _, _, base, per_ki_token, _ = HybridCacheController.parse_storage_backend_extra_config(extra)
+    return memory.hicache_storage_prefetch_policy, base, per_ki_token
+
+
 def _prefix(extra_info) -> list[str] | None:
     return getattr(extra_info, "prefix_keys", None)
-
-
-def _compact(key: str) -> bytes | str:
-    """A page key as 32 bytes when it is a hex SHA-256 (half the memory), else as is."""
-    try:
-        return bytes.fromhex(key) if len(key) == 64 else key
-    except ValueError:
-        return key
 
 
 def _engine_device(host) -> torch.device:
@@ -472,15 +710,17 @@ def _host_page_format(host) -> PageFormat:
     )
 
 
-def _records_store(config: HiCacheStorageConfig) -> HiCacheStorage:
-    """The store of page records written by the engine that ``config`` names."""
-    name = (config.model_name or "") + RECORDS_SUFFIX
-    return _built_in("file", dataclasses.replace(config, model_name=name))
+def _short(digest: str | None) -> str | None:
+    return digest[:DIGITS] if digest else None
 
 
-def _peer_config(own: HiCacheStorageConfig, peer: PeerSettings, rank: int) -> HiCacheStorageConfig:
-    """The storage identity of one rank of the peer engine (same store, the peer's name)."""
-    return dataclasses.replace(own, model_name=peer.model_name, tp_rank=rank, tp_size=peer.tp_size)
+def _stats_file(settings: StorageSettings, config: HiCacheStorageConfig) -> Path | None:
+    if not settings.stats_path:
+        return None
+    name = (config.model_name or "model").replace("/", "-")
+    folder = Path(settings.stats_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / f"{name}_{config.tp_rank}_{config.tp_size}.json"
 
 
 def _built_in(name: str, config: HiCacheStorageConfig, host=None) -> HiCacheStorage:
