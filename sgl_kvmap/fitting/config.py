@@ -10,14 +10,19 @@ repair's draft length is ``transfer.Repair``'s own default.)
 - ``EvalConfig``: how a map is scored on held-out text (``evaluate.evaluate``, ``sgl-kvmap
   eval``) and timed against re-prefill.
 - ``PackRecipe``: how a pack is made, a calibration and an optional tuning; its defaults are
-  what ``sgl-kvmap fit`` publishes (``build.build_pack``).
+  what ``sgl-kvmap fit`` publishes (``build.build_pack``); ``key`` names it stably (the
+  registry keeps the packs built here by it), and ``recipe_summary`` puts the recipe a pack
+  records in a few words.
 - ``DemoConfig``: the budget of ``sgl-kvmap demo`` (``demo.run_demo``): a recipe and an
   evaluation.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import hashlib
+import json
+from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 from ..core.errors import KVMapError
 from ..core.mapper import KVMapper
@@ -185,6 +190,34 @@ class PackRecipe:
             raise KVMapError(f"calibration must be a CalibrationConfig, got {self.calibration!r}")
         if self.tuning is not None and not isinstance(self.tuning, TuneConfig):
             raise KVMapError(f"tuning must be a TuneConfig or None, got {self.tuning!r}")
+
+    def key(self) -> str:
+        """This recipe's stable identity: a readable name, then the first 12 hex digits of the
+        sha256 of the recipe's canonical JSON (every field, defaults included, so recipes that
+        differ in any field get different keys), e.g. ``128k-rank-auto-tuned-120-0123456789ab``.
+        """
+        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        return f"{self._name()}-{hashlib.sha256(canonical.encode()).hexdigest()[:12]}"
+
+    def _name(self) -> str:
+        """The readable part of ``key``: calibration tokens, map family, tuning steps."""
+        tokens, rank = self.calibration.tokens, self.calibration.rank
+        budget = f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
+        layers = f"top-k-{self.calibration.top_k}" if rank is None else f"rank-{rank}"
+        tuned = "untuned" if self.tuning is None else f"tuned-{self.tuning.steps}"
+        return f"{budget}-{layers}-{tuned}"
+
+
+def recipe_summary(record: dict[str, Any]) -> str:
+    """The recipe a pack records (its kvmap.json's ``calibration``: what ``fit_mapper`` and
+    ``tune_mapper`` write) in a few words, e.g. ``131,072 calibration tokens, rank auto, tuned
+    120 steps``; "not recorded" when it holds none."""
+    if not isinstance(record, dict) or not isinstance(record.get("tokens"), int):
+        return "not recorded"
+    rank, tuning = record.get("rank"), record.get("tuning")
+    shape = f"top-k {record.get('top_k', '?')}" if rank is None else f"rank {rank}"
+    tuned = f"tuned {tuning.get('steps', '?')} steps" if isinstance(tuning, dict) else "not tuned"
+    return f"{record['tokens']:,} calibration tokens, {shape}, {tuned}"
 
 
 @dataclass(frozen=True)
