@@ -4,8 +4,8 @@ Fetch and convert the pair (once), fit both directions on the Python standard li
 sources (one pass, shared captures), evaluate each direction on disjoint text beside its
 baselines (translated, + tail, + tail and the repair's anchors), time each hand-off against the
 target's re-prefill, save both packs with their measured metrics (and keep them as the packs
-built here for the pair, unless there are some: ``resolve``, ``bench`` and ``sglang-args`` then
-find them), write results.json and return one printed table.
+built here for the pair with the demo's recipe, unless there are some: ``resolve``, ``bench``
+and ``sglang-args`` then find them), write results.json and return one printed table.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def run_demo(out: Path, config: DemoConfig = DemoConfig()) -> str:
         mapper.save_pretrained(
             Path(out) / name.replace(">", "").replace("-", "_to_"), overwrite=True
         )
-        keep_as_built(mapper)  # so resolve, bench and sglang-args find it
+        keep_as_built(mapper, recipe)  # so resolve, bench and sglang-args find it
         results[name] = {
             "fit": {**fit_report.summary(), "process_peak_rss_gib": round(fit_peak_gib, 2)},
             "tuning": tuning and {**tuning.summary(), "curve": tuning.curve},

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import date
 from pathlib import Path
 
-from ..core.errors import KVMapError
+from ..core.errors import KVMapError, PackError
 from ..core.files import replacing_folder
 from ..fitting.config import CalibrationConfig, PackRecipe
 from .records import MODES, REFERENCE_MODE, RequestRecord
@@ -179,11 +179,10 @@ def load_deployment(
     recipe: PackRecipe = BENCH_RECIPE,
 ) -> Deployment:
     """The two engines' models (default: the embedded Qwen2.5-Coder 0.5B/1.5B pair, fetched
-    and converted once) and a pack each way: those given, else the registry's (local cache,
-    then the Hub), else built here with ``recipe`` once and cached."""
+    and converted once) and a pack each way: those given, else the registry's whatever their
+    recipe (local cache, then the Hub), else built here with ``recipe`` once and cached."""
     from ..fitting.default_pair import LARGE, SMALL, ensure_model
     from ..models.capture import load_model
-    from ..registry.resolve import resolve_pack_pair
 
     names = {
         "small": str(small or ensure_model(SMALL)),
@@ -191,8 +190,21 @@ def load_deployment(
     }
     chosen = dict(packs or {})
     if len(chosen) < 2:
-        up, down = resolve_pack_pair(names["small"], names["large"], build=True, recipe=recipe)
+        up, down = _registry_packs(names["small"], names["large"], recipe)
         chosen.setdefault(("small", "large"), str(up))
         chosen.setdefault(("large", "small"), str(down))
     models = {role: load_model(name) for role, name in names.items()}
     return Deployment(models, names, chosen)
+
+
+def _registry_packs(small: str, large: str, recipe: PackRecipe, **options) -> tuple[Path, Path]:
+    """The registry's packs both ways, whatever recipe made them (the demo's, a fit's, the
+    Hub's); when it lacks either, ``recipe``'s packs, those missing built here (once; kept
+    under that recipe, so a lookup for another recipe never takes them). ``options``: as
+    ``resolve_pack`` takes them."""
+    from ..registry.resolve import resolve_pack_pair
+
+    try:
+        return resolve_pack_pair(small, large, **options)
+    except PackError:
+        return resolve_pack_pair(small, large, build=True, recipe=recipe, **options)

@@ -29,6 +29,7 @@ from ..core.errors import PackError
 from ..core.manifest import parse_manifest
 from ..core.mapper import KVMapper
 from ..core.pack import CARD_FILE, CONFIG_FILE, PACK_FILES, load_pack, read_config
+from ..fitting.config import recipe_summary
 from .card import render_card
 from .hub import first_line
 
@@ -61,6 +62,7 @@ class PackEntry:
     source_fingerprint: str
     target_fingerprint: str
     where: str  # a local folder, or "hub"
+    recipe: str | None = None  # how it was made, in words (local packs; None from the Hub)
 
 
 def endpoint() -> str | None:
@@ -221,6 +223,7 @@ def entry_of(repo_id: str, commit: str | None, folder: Path) -> PackEntry | None
         config["source_fingerprint"],
         config["target_fingerprint"],
         str(folder),
+        recipe_summary(config.get("calibration", {})),
     )
 
 
