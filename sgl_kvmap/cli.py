@@ -655,8 +655,9 @@ def eval_(
 @main.command()
 @click.argument("pack", type=click.Path(file_okay=False, path_type=Path))
 def inspect(pack) -> None:
-    """Validate a pack and print what it maps and what was measured."""
+    """Validate a pack and print what it maps, how it was made and what was measured."""
     from .core.mapper import KVMapper
+    from .registry.resolve import pack_recipe
 
     mapper = KVMapper.from_pretrained(pack)
     s, t = mapper.source, mapper.target
@@ -670,6 +671,7 @@ def inspect(pack) -> None:
     )
     k = mapper.source_layers_per_target
     click.echo(f"k {k}  ridge {mapper.ridge}  sink tokens {mapper.sink_tokens}")
+    click.echo(f"recipe {pack_recipe(pack)}")
     click.echo("calibration " + json.dumps(mapper.info.get("calibration", {}), sort_keys=True))
     for key, value in sorted(mapper.info.get("metrics", {}).items()):
         click.echo(
@@ -1018,8 +1020,9 @@ def pull(repo_id, revision) -> None:
 @click.option("--namespace", default=None, help="Hub namespace of conventionally named packs.")
 def resolve(source, target, build, offline, allow_mismatch, namespace) -> None:
     """Find the pack for SOURCE -> TARGET (local cache, then Hub, then --build); print its
-    folder."""
-    from .registry.resolve import resolve_pack
+    folder, and its recipe on stderr. Without --build any pack built here is taken, the
+    default recipe's first; with --build only the default recipe's, built if missing."""
+    from .registry.resolve import pack_recipe, resolve_pack
 
     folder = resolve_pack(
         source,
@@ -1030,20 +1033,22 @@ def resolve(source, target, build, offline, allow_mismatch, namespace) -> None:
         namespace=namespace,
     )
     click.echo(str(folder))
+    click.echo(f"recipe {pack_recipe(folder)}", err=True)
 
 
 @main.command(name="list")
 @click.option("--remote", is_flag=True, help="List the packs on the Hub instead of the cache.")
 def list_(remote) -> None:
-    """List the packs in the local caches (or on the Hub)."""
+    """List the packs in the local caches (or on the Hub), local ones with their recipe."""
     from .registry.packs import cached_packs, hub_packs
     from .registry.resolve import built_packs
 
     entries = hub_packs() if remote else built_packs() + cached_packs()
     for entry in entries:
+        recipe = "" if entry.recipe is None else f"recipe {entry.recipe}  "
         click.echo(
             f"{entry.repo_id}  {(entry.commit or '-')[:12]}  {entry.source} -> {entry.target}  "
-            f"{entry.where}"
+            f"{recipe}{entry.where}"
         )
     if not entries:
         click.echo("no packs " + ("on the Hub" if remote else "in the local caches"))

@@ -495,3 +495,45 @@ def test_an_unknown_hub_id_fails_in_one_line_at_once(model_dirs, tmp_path, offli
     assert ("HF_HUB_OFFLINE is set" in done.stderr) == offline
     assert seconds < 15
     assert not (tmp_path / "p").exists()
+
+
+@pytest.fixture
+def hf_caches(tmp_path, monkeypatch):
+    """huggingface_hub's caches of Hub packs and of packs built here, in temporary folders, for
+    commands run in this process (huggingface_hub reads HF_HOME once, on import)."""
+    import huggingface_hub.utils._cache_assets as assets
+    import huggingface_hub.utils._cache_manager as hub_cache
+
+    monkeypatch.setattr(assets, "HF_ASSETS_CACHE", str(tmp_path / "assets"))
+    monkeypatch.setattr(hub_cache, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    return {"cache_dir": tmp_path / "hub", "assets_dir": tmp_path / "assets"}
+
+
+def test_resolve_build_never_returns_another_recipes_pack_and_each_command_names_the_recipe(
+    model_dirs, fitted_pack, hf_caches, monkeypatch
+):
+    """Issue 30 through the command line: after a cheap build (the benchmark's route), `resolve`
+    takes it and says which recipe it is; `resolve --build` builds the default recipe's pack
+    instead; `list` and `inspect` name every pack's recipe."""
+    from sgl_kvmap.registry.resolve import resolve_pack
+
+    from .test_resolve import SMALL_RECIPE, build_cheaply
+
+    cheap = resolve_pack(*model_dirs, build=True, local_files_only=True, recipe=SMALL_RECIPE)
+    cheap_recipe = f"recipe {SMALL_RECIPE.key()}: 512 calibration tokens, top-k 1, not tuned"
+    found = succeed(["resolve", *model_dirs, "--offline"])
+    assert found.stdout == f"{cheap}\n" and found.stderr.splitlines()[-1] == cheap_recipe
+    asked = build_cheaply(monkeypatch)
+    built = succeed(["resolve", *model_dirs, "--build", "--offline"])
+    default = Path(built.stdout.strip())
+    assert asked == [PackRecipe()] and default != cheap
+    default_recipe = f"recipe {PackRecipe().key()} (the default): 512 calibration tokens, top-k 2"
+    assert built.stderr.splitlines()[-1] == default_recipe + ", not tuned"
+    assert succeed(["resolve", *model_dirs, "--offline"]).stdout == f"{default}\n"
+    listed = succeed(["list"]).stdout.splitlines()
+    assert len(listed) == 2
+    assert listed[0].endswith(f"  {default_recipe}, not tuned  {default}")
+    assert listed[1].endswith(f"  {cheap_recipe}  {cheap}")
+    assert default_recipe in succeed(["inspect", str(default)]).stdout.splitlines()[3]
+    lines = succeed(["inspect", str(fitted_pack[0])]).stdout.splitlines()
+    assert lines[3] == "recipe 1,024 calibration tokens, top-k 2, not tuned"
