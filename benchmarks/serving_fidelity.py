@@ -114,6 +114,8 @@ def main(pack, windows, prefix_len, continuation, page, out) -> None:
                     sglang_extra_config(storage, store),
                     page_size=page,
                     slots=2 * len(window),
+                    prefetch_threshold=page,
+                    prefetch_policy="wait_complete",
                 )
                 for model, engine_name, storage in ((small, names[0], off), (large, names[1], on))
             ]
@@ -125,7 +127,7 @@ def main(pack, windows, prefix_len, continuation, page, out) -> None:
                 expected = prefix_len - settings.get("tail_pages", 0) * page
                 own_pages = 1 if name == "served (b)" else 0
                 assert served.reused == expected, (name, served.reused)
-                translated = engines[1].storage.counters["translated_pages"]
+                translated = engines[1].storage.counters["translated_pages_delivered"]
                 assert translated == expected // page - own_pages, (name, translated)
                 add(name, served.logits[-keep:], labels)
             finally:

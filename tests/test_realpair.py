@@ -164,12 +164,13 @@ def test_sglang_hands_a_real_prefix_from_the_0_5b_to_a_fresh_1_5b(fitted, pair, 
         StorageSettings(translate=True, interface_v1=True, peers=(peer,), tail_pages=0), store
     )
     window = eval_windows(large.tokenizer, default_eval_files(), 32 * PAGE + 24, 1)[0].tolist()
-    engines = [Engine(small, names[0], off), Engine(large, names[1], on)]
+    untimed = {"prefetch_threshold": PAGE, "prefetch_policy": "wait_complete"}  # what, not when
+    engines = [Engine(small, names[0], off, **untimed), Engine(large, names[1], on, **untimed)]
     try:
         sent = engines[0].serve(window[: 32 * PAGE + 5])
         served = engines[1].serve(window)
         assert served.reused == 32 * PAGE
-        assert engines[1].storage.counters["translated_pages"] == 32
+        assert engines[1].storage.counters["translated_pages_delivered"] == 32
         source_kv = engines[0].pool_kv(sent.slots[: 32 * PAGE])
         want = mapper.map(source_kv, fast_matmul_dtype("cpu"))
         got = engines[1].pool_kv(served.slots[: 32 * PAGE])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 import pytest
 import torch
@@ -133,7 +134,7 @@ def test_a_fresh_target_translates_the_whole_prefix(cluster):
     sent = a.serve(prompt)
     served = b.serve(prompt)
     assert served.reused == 5 * PAGE
-    assert b.storage.counters["translated_pages"] == 5
+    assert b.storage.counters["translated_pages_delivered"] == 5
     assert_swap(b, served, a, sent, cluster.mapper(0, 1), prompt, 0, 5 * PAGE)
 
 
@@ -147,7 +148,7 @@ def test_pages_after_a_cached_first_page_land_at_their_true_positions(cluster):
     sent = a.serve(prompt)
     served = b.serve(prompt)
     assert served.reused == 4 * PAGE
-    assert b.storage.counters["translated_pages"] == 3
+    assert b.storage.counters["translated_pages_delivered"] == 3
     assert_swap(b, served, a, sent, cluster.mapper(0, 1), prompt, PAGE, 4 * PAGE)
 
 
@@ -162,7 +163,7 @@ def test_a_target_that_served_the_first_turns_translates_only_the_rest(cluster):
     sent = a.serve(turn2)
     served = b.serve(turn3)
     assert served.reused == 6 * PAGE
-    assert b.storage.counters["translated_pages"] == 3
+    assert b.storage.counters["translated_pages_delivered"] == 3
     assert_swap(b, served, a, sent, cluster.mapper(0, 1), turn3, 3 * PAGE, 6 * PAGE)
 
 
@@ -177,13 +178,13 @@ def test_alternating_turns_translate_only_what_each_engine_lacks(cluster):
     a, b = cluster.engine(0), cluster.engine(1)
     sent1 = a.serve(t1)  # pages 0-1 stored for "a"
     got2 = b.serve(t2)  # translates pages 0-1; its own pages 2-3 descend from them: withheld
-    assert got2.reused == 2 * PAGE and b.storage.counters["translated_pages"] == 2
+    assert got2.reused == 2 * PAGE and b.storage.counters["translated_pages_delivered"] == 2
     assert cluster.files(1) == []
     sent3 = a.serve(t3)  # a's tree holds pages 0-1; b stored nothing to translate back
-    assert sent3.reused == 2 * PAGE and a.storage.counters["translated_pages"] == 0
+    assert sent3.reused == 2 * PAGE and a.storage.counters["translated_pages_delivered"] == 0
     assert len(cluster.files(0)) == 6  # all of a's own pages, computed by a
     got4 = b.serve(t4)  # b's tree holds pages 0-3 (t2); pages 4-5 come from a, translated
-    assert got4.reused == 6 * PAGE and b.storage.counters["translated_pages"] == 4
+    assert got4.reused == 6 * PAGE and b.storage.counters["translated_pages_delivered"] == 4
     assert cluster.files(1) == []
     mapper = cluster.mapper(0, 1)
     assert_translation_at_true_positions(b, got2, a.pool_kv(sent1.slots), mapper, 0, 2 * PAGE)
@@ -201,11 +202,11 @@ def test_sessions_sharing_a_system_prompt_translate_it_once(cluster):
     a, b = cluster.engine(0, translate=False), cluster.engine(1)
     a.serve(one)
     b.serve(one)
-    assert b.storage.counters["translated_pages"] == 4
+    assert b.storage.counters["translated_pages_delivered"] == 4
     sent = a.serve(two)
     served = b.serve(two)
     assert served.reused == 5 * PAGE
-    assert b.storage.counters["translated_pages"] == 4 + 3
+    assert b.storage.counters["translated_pages_delivered"] == 4 + 3
     assert_swap(b, served, a, sent, cluster.mapper(0, 1), two, 2 * PAGE, 5 * PAGE)
 
 
@@ -265,7 +266,7 @@ def test_fallbacks_prefill_natively_and_count_the_reason(
     served = b.serve(prompt)
     assert served.reused == 0
     assert b.storage.counters[f"fallback.{reason}"] >= 1
-    assert b.storage.counters["translated_pages"] == 0
+    assert b.storage.counters["translated_pages_delivered"] == 0
     torch.testing.assert_close(served.logits, exact_logits(b, prompt))
 
 
@@ -276,7 +277,7 @@ def test_native_sinks_translate_after_a_first_page_of_its_own(cluster):
     b.serve(prompt[: PAGE + 1])
     sent = a.serve(prompt)
     served = b.serve(prompt)
-    assert served.reused == 4 * PAGE and b.storage.counters["translated_pages"] == 3
+    assert served.reused == 4 * PAGE and b.storage.counters["translated_pages_delivered"] == 3
     assert_translation_at_true_positions(
         b, served, a.pool_kv(sent.slots), cluster.mapper(0, 1), PAGE, 4 * PAGE
     )
@@ -292,7 +293,7 @@ def test_native_pages_always_win(cluster):
     cluster.engine(1, translate=False).serve(prompt[: 2 * PAGE + 1])  # ... an exact engine's
     served = (late := cluster.engine(1)).serve(prompt)
     assert late.storage.counters["native_pages"] == 2
-    assert late.storage.counters["translated_pages"] == 2
+    assert late.storage.counters["translated_pages_delivered"] == 2
     exact = run(late.model.model, torch.tensor(prompt[: 2 * PAGE])).cache
     got = late.pool_kv(served.slots[: 2 * PAGE])
     torch.testing.assert_close(got.keys[1], exact.keys[1].bfloat16(), rtol=0, atol=0)
@@ -307,7 +308,7 @@ def test_translated_pages_are_never_stored_however_many_were_translated(cluster)
     for session in sessions:
         a.serve(session)
         b.serve(session)
-    assert b.storage.counters["translated_pages"] == 24
+    assert b.storage.counters["translated_pages_delivered"] == 24
     longer = sessions[0] + tokens(3 * PAGE, seed=99)
     b.serve(longer)
     assert cluster.files(1) == []
@@ -528,7 +529,7 @@ def test_a_tail_of_pages_is_left_for_the_target_to_compute(cluster):
     a, b = cluster.engine(0, translate=False), cluster.engine(1, tail_pages=2)
     sent = a.serve(prompt)
     served = b.serve(prompt)
-    assert served.reused == 3 * PAGE and b.storage.counters["translated_pages"] == 3
+    assert served.reused == 3 * PAGE and b.storage.counters["translated_pages_delivered"] == 3
     assert_swap(b, served, a, sent, cluster.mapper(0, 1), prompt, 0, 3 * PAGE)
 
 
@@ -609,3 +610,246 @@ def test_an_mla_pool_switches_translation_off_and_its_pages_are_still_stored(clu
     assert storage.batch_exists(keys, info) == 2
     assert storage.batch_get_v1(keys, back, info) == [True, True]
     assert torch.equal(host.get_data_page(int(back[PAGE])), host.get_data_page(int(slots[PAGE])))
+
+
+# -- the defects a review against SGLang's real control flow found (issue 30) ---------------
+
+
+def timed_engine(cluster, i: int, base: float, **settings) -> Engine:
+    """Engine i under SGLang's ``timeout`` prefetch policy (what ``sglang-args`` emits), with a
+    deadline of ``base`` seconds whatever the length."""
+    extra = {
+        **cluster.extra(i, **settings),
+        "prefetch_timeout_base": base,
+        "prefetch_timeout_per_ki_token": 0.0,
+    }
+    engine = Engine(cluster.deployment["models"][i], cluster.deployment["names"][i], extra,
+                    prefetch_threshold=PAGE)  # fmt: skip
+    cluster.engines.append(engine)
+    return engine
+
+
+def slow_translation(monkeypatch, seconds: float) -> None:
+    """Every translation a KVMapStorage worker runs takes ``seconds`` longer (sgl-kvmap's own
+    ``translate_run`` wrapped with a sleep: a large pair on a busy machine, in miniature)."""
+    import sgl_kvmap.sglang.storage as storage
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return translate_run(*args, **kwargs)
+
+    from sgl_kvmap.sglang.translation import translate_run
+
+    monkeypatch.setattr(storage, "translate_run", slow)
+
+
+def test_a_translation_the_deadline_cuts_leaves_the_targets_own_pages_storable(
+    cluster, monkeypatch
+):
+    """A translation that misses SGLang's prefetch deadline is not delivered, counts as a
+    deadline fallback, and marks nothing: the target prefills the prompt itself and stores its
+    own exact pages, which an engine serving exact pages only then reuses."""
+    slow_translation(monkeypatch, seconds=2.0)
+    prompt = tokens(4 * PAGE + 3, seed=40)
+    cluster.engine(0, translate=False).serve(prompt)
+    b = timed_engine(cluster, 1, base=0.5)
+    served = b.serve(prompt)
+    assert served.reused == 0
+    assert b.storage.counters["fallback.deadline"] == 1
+    assert b.storage.counters["translated_pages_delivered"] == 0
+    assert len(cluster.files(1)) == 4
+    assert cluster.engine(1, translate=False).serve(prompt).tiers.storage == 4 * PAGE
+
+
+def test_slow_swaps_translate_side_by_side_and_never_hold_up_a_native_prefetch(
+    cluster, monkeypatch
+):
+    """Two swaps whose translations take 3 s each and a native prefetch arrive together at an
+    engine whose deadline is 5 s: the swaps are translated concurrently (a worker each, started
+    at the hit query), so both land, and the native prefetch behind them on SGLang's single I/O
+    thread is not held past its deadline."""
+    slow_translation(monkeypatch, seconds=3.0)
+    one, two, mine = (tokens(4 * PAGE + 3, seed=s) for s in (41, 42, 43))
+    a = cluster.engine(0, translate=False)
+    a.serve(one)
+    a.serve(two)
+    cluster.engine(1, translate=False).serve(mine)  # the target's own pages of ``mine``
+    b = timed_engine(cluster, 1, base=5.0)
+    arrivals = [b.arrive(prompt) for prompt in (one, two, mine)]
+    served = [b.complete(arrival) for arrival in arrivals]
+    assert [s.reused for s in served] == [4 * PAGE] * 3
+    assert b.storage.counters["translated_pages_delivered"] == 8
+    assert b.storage.counters["native_pages"] == 4
+    assert_logits_over_pool(b, served[1], two)
+
+
+def test_the_transfer_uses_the_peer_whose_run_the_hit_query_promised(cluster, deployment):
+    """With two peers, the first holding 2 pages of the prompt and the second 5, the hit query
+    promises the second's 5 and the transfer delivers those 5, translated from that peer."""
+    prompt = tokens(5 * PAGE + 3, seed=44)
+    names, packs = deployment["names"], deployment["packs"]
+    short = cluster.engine(0, translate=False)
+    short.serve(prompt[: 2 * PAGE + 1])
+    twin = Engine(deployment["models"][0], "twin-of-a", cluster.extra(0, translate=False,
+                  model_path=names[0]), **UNTIMED)  # fmt: skip
+    cluster.engines.append(twin)
+    sent = twin.serve(prompt)
+    peers = (
+        PeerSettings(names[0], packs[0, 1]),
+        PeerSettings("twin-of-a", packs[0, 1], model_path=names[0]),
+    )
+    ours = StorageSettings(translate=True, interface_v1=True, peers=peers, tail_pages=0)
+    b = Engine(deployment["models"][1], names[1], sglang_extra_config(ours, str(cluster.store)),
+               **UNTIMED)  # fmt: skip
+    cluster.engines.append(b)
+    served = b.serve(prompt)
+    assert served.reused == 5 * PAGE
+    assert b.storage.counters["translated_pages_delivered"] == 5
+    assert_swap(b, served, twin, sent, cluster.mapper(0, 1), prompt, 0, 5 * PAGE)
+
+
+def test_a_peer_page_lost_after_the_hit_query_ends_the_run_with_its_reason(cluster, monkeypatch):
+    """The peer's store loses page 2 right after the hit query read the run's records (its own
+    eviction, say): pages 0-1 are delivered, the shortfall is counted as ``peer_page_lost``."""
+    from sgl_kvmap.sglang.storage import Peer
+
+    prompt = tokens(5 * PAGE + 3, seed=45)
+    cluster.engine(0, translate=False).serve(prompt)
+    name = cluster.deployment["names"][0].replace("/", "-")
+    lost = cluster.store / f"{page_keys(prompt)[2]}_{name}_0_1.bin"
+    read_records = Peer.records
+
+    def records_then_evict(self, *args):
+        found = read_records(self, *args)
+        lost.unlink(missing_ok=True)
+        return found
+
+    monkeypatch.setattr(Peer, "records", records_then_evict)
+    b = cluster.engine(1)
+    served = b.serve(prompt)
+    assert served.reused == 2 * PAGE
+    assert b.storage.counters["fallback.peer_page_lost"] == 1
+    assert b.storage.counters["translated_pages_delivered"] == 2
+
+
+def test_pages_written_without_prefix_keys_are_never_stored(cluster):
+    """SGLang's PD decode-side offload writes pages without prefix keys
+    (``DecodeKVCacheOffloadManager._trigger_backup`` calls ``cache_controller.write_storage``
+    with ``hash_value`` only): what they descend from, possibly a prefill server's translated
+    prefix, cannot be checked, so none is stored as this model's own. The call is made here as
+    that manager makes it, on the engine's own controller and backup thread."""
+    b = cluster.engine(1, translate=False)
+    prompt = tokens(3 * PAGE, seed=46)
+    controller = b.tree.cache_controller
+    slots = controller.mem_pool_host.alloc(3 * PAGE)
+    controller.write_storage(slots, prompt, hash_value=page_keys(prompt))
+    b._pump_until(lambda: b.storage.counters["pages_withheld"] >= 3, timeout=30)
+    assert cluster.files(1) == []
+    assert b.storage.counters["fallback.prefix_keys_missing"] == 1
+
+
+def test_pages_of_a_peer_redeployed_with_other_weights_are_not_translated(
+    cluster, deployment, tmp_path
+):
+    """The peer's served name stays, its weights change (another checkpoint of the same
+    configuration): the records name other weights than the ones this engine checked the pack
+    against, so nothing is translated (``peer_model_changed``)."""
+    from .conftest import tiny_model
+
+    names = deployment["names"]
+    other = save_loaded(tiny_model("qwen2", seed=7), tmp_path / "a-retrained")
+    prompt = tokens(4 * PAGE + 3, seed=47)
+    redeployed = Engine(load_model(other), names[0],
+                        cluster.extra(0, translate=False, model_path=other), **UNTIMED)  # fmt: skip
+    cluster.engines.append(redeployed)
+    redeployed.serve(prompt)
+    b = cluster.engine(1)
+    served = b.serve(prompt)
+    assert served.reused == 0
+    assert b.storage.counters["fallback.peer_model_changed"] >= 1
+    assert b.storage.counters["translated_pages_delivered"] == 0
+
+
+def test_an_engine_never_evicts_a_peers_files(cluster, deployment):
+    """A free-space watermark on one engine's store (here one no disk can meet) evicts only
+    that engine's own files: the peer's pages, which it reads, stay."""
+    prompt = tokens(4 * PAGE + 3, seed=48)
+    cluster.engine(0, translate=False).serve(prompt)
+    before = sorted(cluster.files(0))
+    extra = {**cluster.extra(1), "min_free_space": 1 << 60}
+    b = Engine(deployment["models"][1], deployment["names"][1], extra, **UNTIMED)
+    cluster.engines.append(b)
+    assert sorted(cluster.files(0)) == before and len(before) == 4
+
+
+def test_one_size_bound_covers_an_engines_pages_and_their_records(cluster, deployment):
+    """``max_size`` bounds everything an engine stores, its pages and their records together."""
+    page_bytes = 2 * PAGE * 4 * 1 * 32 * 2  # K and V, 4 layers x 1 head x 32 dims, bfloat16
+    cap = 10 * page_bytes
+    extra = {**cluster.extra(1, translate=False), "max_size": cap}
+    b = Engine(deployment["models"][1], deployment["names"][1], extra, **UNTIMED)
+    cluster.engines.append(b)
+    for seed in range(4):
+        b.serve(tokens(4 * PAGE + 1, seed=50 + seed))
+    name = deployment["names"][1].replace("/", "-")
+    own = [f for f in os.listdir(cluster.store) if f.endswith(f"_{name}_0_1.bin")]
+    assert len(own) > 10  # pages and records were stored, and some evicted
+    assert sum((cluster.store / f).stat().st_size for f in own) <= cap
+
+
+def test_each_record_is_read_once_per_swap(cluster, monkeypatch):
+    """The hit query reads each record of the run once; the transfer reads no record again,
+    and each page once."""
+    from sgl_kvmap.sglang.records import RECORD_SUFFIX
+
+    prompt = tokens(5 * PAGE + 3, seed=49)
+    cluster.engine(0, translate=False).serve(prompt)
+    b = cluster.engine(1)
+    store = b.storage.peers[0].stores[0]
+    reads = []
+    original = store.get
+    monkeypatch.setattr(
+        store, "get", lambda key, *a, **k: reads.append(key) or original(key, *a, **k)
+    )
+    assert b.serve(prompt).reused == 5 * PAGE
+    keys = page_keys(prompt)[:5]
+    assert sorted(reads) == sorted([k + RECORD_SUFFIX for k in keys] + keys)
+
+
+def test_the_provenance_ledger_is_bounded_by_the_host_pool(cluster):
+    """The ledger of delivered translations holds at most a few times the host pool's pages."""
+    b = cluster.engine(1)
+    host = b.tree.cache_controller.mem_pool_host
+    assert b.storage.provenance.capacity == 4 * (host.size // host.page_size)
+
+
+def test_the_counters_reach_the_stats_file_and_audited_pages_equal_the_translation(cluster):
+    """With ``stats_path`` the engine's counters are in its JSON file as they change; with
+    ``audit_translations`` every translated page it received is in its store under the page's
+    key plus ``.translated``, equal to the pack's map of the sender's stored KV."""
+    import json
+
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile
+
+    prompt = tokens(4 * PAGE + 3, seed=51)
+    a = cluster.engine(0, translate=False)
+    sent = a.serve(prompt)
+    stats = cluster.store.parent / "stats"
+    b = cluster.engine(1, stats_path=str(stats), audit_translations=True)
+    b.serve(prompt)
+    name = cluster.deployment["names"][1].replace("/", "-")
+    written = json.loads((stats / f"{name}_0_1.json").read_text())["counters"]
+    assert written["translated_pages_delivered"] == 4
+    reader = HiCacheFile(b.storage.storage_config)
+    page = b.storage.page
+    want = cluster.mapper(0, 1).map(a.pool_kv(sent.slots[: 4 * PAGE]), fast_matmul_dtype("cpu"))
+    for i, key in enumerate(page_keys(prompt)[:4]):
+        flat = reader.get(key + ".translated", page.empty_page())
+        got = page.to_tokens(flat)  # [2, page, layers, heads, dim]
+        for layer in range(page.layers):
+            torch.testing.assert_close(
+                got[0, :, layer], want.keys[layer][i * PAGE : (i + 1) * PAGE], rtol=0, atol=0
+            )
+            torch.testing.assert_close(
+                got[1, :, layer], want.values[layer][i * PAGE : (i + 1) * PAGE], rtol=0, atol=0
+            )

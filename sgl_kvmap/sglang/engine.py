@@ -155,7 +155,7 @@ class Tiers:
     fallbacks: dict[str, int]
 
 
-@dataclass
+@dataclass(eq=False)
 class Arrival:
     """A request whose prefetch has started (``Engine.arrive``): the prefix its device and host
     tiers matched, and the storage's counters before the prefetch."""
@@ -226,6 +226,7 @@ class Engine:
         # what Scheduler._prefetch_kvcache reads from its scheduler
         self.tree_cache, self.enable_hicache_storage, self.enable_lmcache = self.tree, True, False
         self._served = 0
+        self._waiting: list[Arrival] = []  # arrived, their prefetch not yet done
         self.last_tiers: Tiers | None = None
 
     def _build(self, server_args, tp_rank: int, tp_size: int, dtype: torch.dtype) -> None:
@@ -277,7 +278,12 @@ class Engine:
 
     def serve(self, tokens: list[int]) -> Served:
         """One request of prompt ``tokens`` through the scheduler's steps (module docstring)."""
-        req, slots = self.begin(tokens)
+        return self.complete(self.arrive(tokens))
+
+    def complete(self, arrival: Arrival) -> Served:
+        """An arrived request's steps 2-6 (``serve``, after ``arrive``)."""
+        req, slots = self.admit(arrival)
+        tokens = arrival.tokens
         past = self.pool_kv(slots[: req.prefix_len]) if req.prefix_len else None
         logits = self.compute(tokens, slots, req.prefix_len, past)
         self.finish(req, logits)
@@ -297,7 +303,9 @@ class Engine:
         )
         counted = Counter(self.storage.counters)
         Scheduler._prefetch_kvcache(self, req)
-        return Arrival(req, list(tokens), req.prefix_len, req.host_hit_length, counted)
+        arrival = Arrival(req, list(tokens), req.prefix_len, req.host_hit_length, counted)
+        self._waiting.append(arrival)
+        return arrival
 
     def admit(self, arrival: Arrival) -> tuple[Req, torch.Tensor]:
         """Steps 2-4 for an arrived request: the scheduler loop until its prefetch is done (or
@@ -305,7 +313,7 @@ class Engine:
         slots of its prompt tokens."""
         req, tokens, device, host = arrival.req, arrival.tokens, arrival.device, arrival.host
         counted = arrival.counted
-        self._pump_until(lambda: self.tree.check_prefetch_progress(req.cache_request_handle))
+        self._pump_until(lambda: arrival not in self._waiting)
         self.tree.pop_prefetch_loaded_span(req.cache_request_handle)
         req.init_next_round_input(self.tree)
         self._admit(req)
@@ -329,7 +337,8 @@ class Engine:
         """Split ``reused`` tokens by tier; ``counted``: the storage's counters before the
         prefetch. KVMapStorage hands SGLang this model's own pages first, then translated
         ones, and SGLang keeps a leading part of them, so what it kept beyond the native pages
-        loaded for this request is translated."""
+        loaded since the request arrived is translated (exact for requests served one at a
+        time; requests prefetching at once share the counters)."""
         new = Counter(self.storage.counters)
         new.subtract(counted)
         from_storage = reused - device - host
@@ -409,10 +418,16 @@ class Engine:
         req.lock = self.tree.lock(req.last_node)
 
     def _pump_until(self, done, timeout: float = 60.0) -> None:
-        """The scheduler loop's per-step HiCache polling, until ``done()``."""
+        """The scheduler loop's per-step HiCache polling, until ``done()``: its events, then the
+        prefetch progress of every waiting request (as admission polls its waiting queue)."""
         started = time.monotonic()
         while True:
             self.tree.check_hicache_events()
+            self._waiting = [
+                arrival
+                for arrival in self._waiting
+                if not self.tree.check_prefetch_progress(arrival.req.cache_request_handle)
+            ]
             if done():
                 return
             if time.monotonic() - started > timeout:

@@ -486,7 +486,7 @@ class KVMapStorage(HiCacheStorage):
             self.provenance.delivered(key, crc)
             if self.settings.audit_translations:
                 self.inner.set(key + AUDIT_SUFFIX, page)
-        self._count("translated_pages", len(pages))
+        self._count("translated_pages_delivered", len(pages))
         return len(pages)
 
     def _job_for(self, keys: list[str]) -> Job | None:
