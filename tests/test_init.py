@@ -94,3 +94,17 @@ def test_layers_import_downward_only_and_nothing_imports_in_a_cycle():
 
     for name in sorted(graph):
         visit(name)
+
+
+def test_only_the_storage_backend_and_the_harness_import_sglang():
+    """sglang is imported in two modules: the backend SGLang loads (sglang/storage.py) and the
+    in-process harness that drives SGLang's scheduler calls (sglang/engine.py)."""
+    importers = set()
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            if any(n == "sglang" or n.startswith("sglang.") for n in names):
+                importers.add(name)
+    assert importers == {"sgl_kvmap.sglang.storage", "sgl_kvmap.sglang.engine"}

@@ -1,10 +1,13 @@
 """The SGLang extension: cached prefixes survive model swaps in multi-model deployments.
 
-``storage.KVMapStorage`` is a HiCache ``dynamic`` storage backend (the only module here that
-imports sglang); ``records`` is what it writes beside each page, ``pages`` converts HiCache
+``storage.KVMapStorage`` is a HiCache ``dynamic`` storage backend; ``records`` is what it
+writes beside each page, ``identity`` the writer's model in them, ``pages`` converts HiCache
 pages, ``heads`` says which KV heads a TP rank holds, ``translation`` translates one run of
-pages; ``settings`` and ``launch`` build its configuration and the launch flags. Importing this
-package does not import sglang (docs/sglang.md).
+pages, ``jobs`` runs translations off SGLang's I/O thread, ``provenance`` keeps translated
+pages from being stored as native; ``settings`` and ``launch`` build its configuration and the
+launch flags. ``engine`` drives SGLang's own scheduler calls in process (the tests' and the
+benchmark's engines). ``storage`` and ``engine`` are the only modules that import sglang;
+importing this package does not (docs/sglang.md).
 """
 
 from .settings import PeerSettings, StorageSettings
