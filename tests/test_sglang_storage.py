@@ -352,10 +352,14 @@ def _reinterpreted(cache: KVCache) -> KVCache:
     )
 
 
-@pytest.mark.parametrize("damage", ["random bytes", "NaN with a matching record"])
-def test_a_damaged_peer_page_ends_the_translated_run(cluster, damage):
-    """A peer page that does not match its record, or holds non-finite values, is never
-    translated: the run stops before it and the rest is computed."""
+@pytest.mark.parametrize(
+    "damage",
+    ["random bytes", "a truncated file", "a truncated record", "NaN with a matching record"],
+)
+def test_a_damaged_peer_page_ends_the_translated_run(cluster, damage, caplog):
+    """A peer page that does not match its record, is cut short, or holds non-finite values,
+    is never translated: the run stops before it, the reason is counted (once logged, with no
+    traceback) and the rest is computed."""
     from sgl_kvmap.sglang.records import PageRecord, page_crc32
 
     prompt = tokens(4 * PAGE + 3, seed=24)
@@ -365,13 +369,19 @@ def test_a_damaged_peer_page_ends_the_translated_run(cluster, damage):
     name = cluster.deployment["names"][0].replace("/", "-")
     page_file = cluster.store / f"{key}_{name}_0_1.bin"
     size = page_file.stat().st_size
+    record_file = cluster.store / f"{key}.kvmap_{name}_0_1.bin"
     if damage == "random bytes":
         page_file.write_bytes(os.urandom(size))
         reason = "peer_page_damaged"
+    elif damage == "a truncated file":
+        os.truncate(page_file, size // 2)
+        reason = "peer_page_damaged"
+    elif damage == "a truncated record":
+        os.truncate(record_file, 100)
+        reason = "record_invalid"
     else:
         nan = torch.full((size // 2,), float("nan"), dtype=torch.bfloat16)
         page_file.write_bytes(nan.view(torch.uint8).numpy().tobytes())
-        record_file = cluster.store / f"{key}.kvmap_{name}_0_1.bin"
         record = PageRecord.from_tensor(
             torch.frombuffer(bytearray(record_file.read_bytes()), dtype=torch.uint8)
         )
@@ -381,6 +391,8 @@ def test_a_damaged_peer_page_ends_the_translated_run(cluster, damage):
     served = b.serve(prompt)
     assert served.reused == 2 * PAGE
     assert b.storage.counters[f"fallback.{reason}"] >= 1
+    assert b.storage.counters["fallback.translation_error"] == 0
+    assert not any(r.exc_info for r in caplog.records if r.name.startswith("sgl_kvmap"))
     assert b.pool_kv(served.slots).keys[0].isfinite().all()
 
 

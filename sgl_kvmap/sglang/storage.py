@@ -114,18 +114,26 @@ class Peer:
         heads = len(rank_heads(self.spec.num_kv_heads, self.settings.tp_size, rank))
         return (page_size, self.spec.num_layers, heads, self.spec.head_dim)
 
-    def records(self, keys: list[str], page_size: int) -> list[dict[int, PageRecord]]:
+    def records(self, keys: list[str], page_size: int):
         """The records of the leading ``keys`` every rank has, each checked against what this
-        pair needs (_Skip at the first that is not right)."""
+        pair needs, and why they stop before the peer's last page, if they do (a _Skip)."""
         names = [record_key(key) for key in keys]
         held = min(self.stores[rank].batch_exists(names) for rank in self.ranks)
-        return [
-            {rank: self._record(key, name, rank, page_size) for rank in self.ranks}
-            for key, name in zip(keys[:held], names)
-        ]
+        found = []
+        try:
+            for key, name in zip(keys[:held], names):
+                found.append(
+                    {rank: self._record(key, name, rank, page_size) for rank in self.ranks}
+                )
+        except _Skip as skip:
+            return found, skip
+        return found, None
 
     def _record(self, key: str, name: str, rank: int, page_size: int) -> PageRecord:
-        data = self.stores[rank].get(name, empty_record())
+        try:
+            data = self.stores[rank].get(name, empty_record())
+        except OSError as error:  # a record file of another size (a short read)
+            raise _Skip("record_invalid", f"page {key}'s record: {error}") from None
         if data is None:
             raise _Skip("peer_page_missing", f"{self.name} lost the record of page {key}")
         try:
@@ -194,9 +202,11 @@ class Peer:
         head = 0
         for rank in self.ranks:
             record = records[rank]
-            flat = self.stores[rank].get(
-                key, staging(("page", rank), (record.page.numel,), record.page.dtype)
-            )
+            buffer = staging(("page", rank), (record.page.numel,), record.page.dtype)
+            try:
+                flat = self.stores[rank].get(key, buffer)
+            except OSError as error:  # a page file of another size (a short read)
+                raise _Skip("peer_page_damaged", f"page {key}: {error}") from None
             if flat is None:
                 raise _Skip("peer_page_lost", f"{self.name} lost page {key} after the hit query")
             if page_crc32(flat) != record.crc32:
@@ -365,34 +375,36 @@ class KVMapStorage(HiCacheStorage):
 
     def _run(self, peer: Peer, keys: list[str], parent: str | None) -> list:
         """The records of the leading ``keys`` ``peer`` stored with valid, chained records.
-        ``parent``: the key before ``keys[0]``, when known."""
+        ``parent``: the key before ``keys[0]``, when known. Why the run ends before the peer's
+        last page, if it does, is counted."""
+        run: list[dict[int, PageRecord]] = []
         try:
-            found = peer.records(keys, self.page.page_size)
-            return self._chained(found, keys, parent)
+            found, short = peer.records(keys, self.page.page_size)
+            for key, records in zip(keys, found):
+                self._check_chain(records, run, parent, key)
+                run.append(records)
+                parent = key
+            if short is not None:
+                raise short
         except _Skip as skip:
             self._fallback(skip.reason, str(skip))
         except Exception as error:  # noqa: BLE001 - a failing peer store hides only the peer
             self._fallback("peer_store_error", f"{peer.name}: {error}")
-        return []
-
-    def _chained(self, found: list, keys: list[str], parent: str | None) -> list:
-        run: list[dict[int, PageRecord]] = []
-        for key, records in zip(keys, found):
-            first = next(iter(records.values()))
-            same = (first.index, first.parent, first.page.dtype)
-            if any((r.index, r.parent, r.page.dtype) != same for r in records.values()):
-                raise _Skip("record_invalid", f"the peer's ranks disagree on page {key}")
-            if run and first.page.dtype != next(iter(run[0].values())).page.dtype:
-                raise _Skip("record_invalid", f"page {key} changes the run's dtype")
-            if parent is not None and first.parent != parent:
-                raise _Skip("record_invalid", f"page {key} does not follow page {parent}")
-            if run and first.index != next(iter(run[-1].values())).index + 1:
-                raise _Skip("record_invalid", f"page {key} breaks the recorded positions")
-            if first.index == 0 and self.settings.sinks == "native":
-                raise _Skip("no_native_sink_page", "the prefix's first page is not stored natively")
-            run.append(records)
-            parent = key
         return run
+
+    def _check_chain(self, records: dict[int, PageRecord], run: list, parent, key: str) -> None:
+        first = next(iter(records.values()))
+        same = (first.index, first.parent, first.page.dtype)
+        if any((r.index, r.parent, r.page.dtype) != same for r in records.values()):
+            raise _Skip("record_invalid", f"the peer's ranks disagree on page {key}")
+        if run and first.page.dtype != next(iter(run[0].values())).page.dtype:
+            raise _Skip("record_invalid", f"page {key} changes the run's dtype")
+        if parent is not None and first.parent != parent:
+            raise _Skip("record_invalid", f"page {key} does not follow page {parent}")
+        if run and first.index != next(iter(run[-1].values())).index + 1:
+            raise _Skip("record_invalid", f"page {key} breaks the recorded positions")
+        if first.index == 0 and self.settings.sinks == "native":
+            raise _Skip("no_native_sink_page", "the prefix's first page is not stored natively")
 
     def _deadline(self, requested_pages: int) -> float:
         """When a job's transfer stops waiting for it: a share of SGLang's prefetch deadline
