@@ -32,3 +32,24 @@ def test_a_run_translates_at_its_positions_and_reuses_the_workers_buffers(tiny_p
     for layer in range(target.num_layers):
         torch.testing.assert_close(got[0, :, layer], want.keys[layer].bfloat16(), rtol=0, atol=0)
         torch.testing.assert_close(got[1, :, layer], want.values[layer].bfloat16(), rtol=0, atol=0)
+
+
+def test_the_hand_over_is_timed_with_as_many_swaps_at_once_as_an_engine_runs(
+    tiny_pair, monkeypatch
+):
+    """``hand_over_seconds(concurrent=3)``: every timed round translates three swaps at once,
+    each on a thread of its own, as KVMapStorage's workers do."""
+    import threading
+
+    import sgl_kvmap.sglang.translation as translation
+
+    mapper = fit_tiny_mapper(*tiny_pair)
+    calls, original = [], translation.translate_run
+    monkeypatch.setattr(
+        translation,
+        "translate_run",
+        lambda *a, **k: calls.append(threading.get_ident()) or original(*a, **k),
+    )
+    assert translation.hand_over_seconds(mapper, 64, page_size=8, concurrent=3) > 0
+    assert len(calls) == 3 * 3  # the warm-up and two timed rounds
+    assert len(set(calls)) == 3

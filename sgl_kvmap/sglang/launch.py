@@ -7,7 +7,8 @@ fingerprints recorded in them (config + tokenizer), never by name.
 A translated prefetch must finish before SGLang's prefetch deadline (the ``timeout`` stop
 policy: ``prefetch_timeout_base + prefetch_timeout_per_ki_token x tokens / 1024`` seconds),
 or SGLang cuts it and prefills the rest. ``prefetch_deadline`` sets both from the translation
-KVMapStorage's work measured on this machine (``translation.hand_over_seconds``), with a margin.
+KVMapStorage's work measured on this machine (``translation.hand_over_seconds``, as many swaps
+at once as an engine translates), with a margin.
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ from ..core.spec import spec_from_pretrained
 from .settings import INNER_BACKENDS, PeerSettings, StorageSettings
 
 PREFETCH_POLICIES = ("timeout", "wait_complete", "best_effort")
+DEVICES = ("cuda", "cpu")  # --device: SGLang's GPU engine, or its CPU engine
+# What SGLang's CPU engine needs besides --device cpu: the variable that selects it (without it
+# SGLang's rotary embedding imports vllm) and torch-native attention (the x86 default, intel_amx,
+# needs compiled sgl_kernel CPU ops)
+CPU_ENVIRONMENT = {"SGLANG_USE_CPU_ENGINE": "1"}
+CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native")
 STORE_PATH = "/tmp/sgl-kvmap-hicache"  # the file store's folder
 PAGE_SIZE = 64  # every engine's --page-size (tokens per page)
 
@@ -88,9 +95,17 @@ def engine_commands(
     store_path: str = STORE_PATH,
     page_size: int = PAGE_SIZE,
     deadline: PrefetchDeadline | None = None,
+    device: str = "cuda",
+    max_total_tokens: int | None = None,
 ) -> list[list[str]]:
-    """argv of ``python -m sglang.launch_server`` for every engine (same order). ``deadline``:
-    the prefetch stop policy of engines that translate (SGLang's default without one)."""
+    """The command of every engine (same order), as shell words: ``python -m
+    sglang.launch_server ...``, preceded by ``NAME=value`` environment assignments for SGLang's
+    CPU engine (``device`` "cpu"), so ``shell_line`` prints a line a shell runs as it is.
+    ``deadline``: the prefetch stop policy of engines that translate (SGLang's default without
+    one); ``max_total_tokens``: the KV pool's size in tokens (SGLang sizes it from free memory
+    without one)."""
+    if device not in DEVICES:
+        raise KVMapError(f"device must be one of {DEVICES}, got {device!r}")
     if store not in INNER_BACKENDS:
         raise KVMapError(
             f"store {store!r} is not supported by sgl-kvmap yet (only "
@@ -98,10 +113,20 @@ def engine_commands(
             "wired and tested first"
         )
     peers = peers_of(engines, packs)
+    deadline = deadline or PrefetchDeadline()
+    sizing = ["--max-total-tokens", str(max_total_tokens)] if max_total_tokens else []
+    env, flags = _device_words(device)
     return [
-        _command(e, peers[e.name], store, store_path, page_size, deadline or PrefetchDeadline())
+        [*env, *_command(e, peers[e.name], store, store_path, page_size, deadline), *flags, *sizing]
         for e in engines
     ]
+
+
+def _device_words(device: str) -> tuple[list[str], list[str]]:
+    """(environment assignments, flags) that select SGLang's engine for ``device``."""
+    if device == "cpu":
+        return [f"{name}={value}" for name, value in CPU_ENVIRONMENT.items()], list(CPU_FLAGS)
+    return [], []
 
 
 def peers_of(engines: list[EngineSpec], packs: list[str | Path]) -> dict[str, list[PeerSettings]]:
@@ -162,6 +187,7 @@ def _command(engine, peers, store, store_path, page_size, deadline) -> list[str]
 
 
 def shell_line(argv: list[str]) -> str:
+    """``argv`` (``engine_commands``' words) as one shell command line."""
     return " ".join(shlex.quote(arg) for arg in argv)
 
 
@@ -169,10 +195,13 @@ def measured_deadline(
     packs: list[str | Path],
     policy: str = PrefetchDeadline.policy,
     lengths: tuple[int, int] = (1024, 4096),
+    concurrent: int = StorageSettings.concurrent_translations,
 ) -> tuple[PrefetchDeadline, list[str]]:
     """The prefetch deadline for the slowest pack's translation, timed on this machine as an
-    engine runs it (one thread; on the GPU when there is one), and a line per pack saying
-    what was measured."""
+    engine runs it (one torch thread; on the GPU when there is one) with ``concurrent`` swaps
+    translated at once (an engine's ``concurrent_translations``: a swap may arrive while the
+    others are translated, and must still land), and a line per pack saying what was
+    measured."""
     import torch
 
     from ..core.mapper import KVMapper
@@ -182,10 +211,13 @@ def measured_deadline(
     deadlines, lines = [], []
     for pack in packs:
         mapper = KVMapper.from_pretrained(pack).to(device)
-        times = [(n, hand_over_seconds(mapper, n)) for n in lengths]
+        times = [(n, hand_over_seconds(mapper, n, concurrent=concurrent)) for n in lengths]
         deadlines.append(prefetch_deadline(times, policy=policy))
         measured = ", ".join(f"{n:,} tokens {t:.2f} s" for n, t in times)
-        lines.append(f"hand-over by {pack} on this machine ({device}, 1 thread): {measured}")
+        lines.append(
+            f"hand-over by {pack} on this machine ({device}, 1 thread, {concurrent} swaps at "
+            f"once): {measured}"
+        )
     if not deadlines:
         return PrefetchDeadline(policy), lines
     slowest = max(deadlines, key=lambda d: d.seconds(8192))
