@@ -33,7 +33,14 @@ from .fitting.config import (
     TuneConfig,
 )
 from .models.transfer import Repair
-from .sglang.launch import PAGE_SIZE, PREFETCH_POLICIES, STORE_PATH, EngineSpec, PrefetchDeadline
+from .sglang.launch import (
+    DEVICES,
+    PAGE_SIZE,
+    PREFETCH_POLICIES,
+    STORE_PATH,
+    EngineSpec,
+    PrefetchDeadline,
+)
 from .sglang.settings import INNER_BACKENDS, StorageSettings
 
 # the defaults every option shows and falls back to (sgl_kvmap/fitting/config.py)
@@ -946,8 +953,23 @@ def bench(
     help="SGLang's prefetch stop policy for engines that translate; with timeout, the deadline "
     "is set from the packs' translation time measured on this machine.",
 )
+@click.option(
+    "--device",
+    type=click.Choice(DEVICES),
+    default=DEVICES[0],
+    show_default=True,
+    help="SGLang's engine: cuda, or its CPU engine (SGLANG_USE_CPU_ENGINE=1, torch-native "
+    "attention).",
+)
+@click.option(
+    "--max-total-tokens",
+    type=COUNT,
+    default=None,
+    help="Size of every engine's KV pool in tokens (default: SGLang sizes it from free memory).",
+)
 @click.pass_context
-def sglang_args(ctx, engines, packs, store, store_path, page_size, port, tp_size, prefetch_policy):
+def sglang_args(ctx, engines, packs, store, store_path, page_size, port, tp_size, prefetch_policy,
+                device, max_total_tokens):  # fmt: skip
     """Print the SGLang launch command of every ENGINE, sharing prefixes through sgl-kvmap."""
     from .sglang.launch import engine_commands, measured_deadline, peers_of, shell_line
 
@@ -971,7 +993,9 @@ def sglang_args(ctx, engines, packs, store, store_path, page_size, port, tp_size
             f"tokens ({deadline.seconds(2048):.1f} s at 2,048 tokens, "
             f"{deadline.seconds(8192):.1f} s at 8,192)"
         )
-    commands = engine_commands(specs, list(packs), store, store_path, page_size, deadline)
+    commands = engine_commands(
+        specs, list(packs), store, store_path, page_size, deadline, device, max_total_tokens
+    )
     for spec, argv in zip(specs, commands):
         click.echo(f"# {spec.name}")
         click.echo(shell_line(argv))

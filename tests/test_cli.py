@@ -271,6 +271,38 @@ def test_sglang_args_give_the_target_its_peer_and_pack(fitted_pack, model_dirs):
     assert "not both among the engines" in wrong
 
 
+def test_sglang_args_for_cpu_engines_print_lines_a_shell_runs(fitted_pack, model_dirs):
+    """``--device cpu``: each printed line is ``SGLANG_USE_CPU_ENGINE=1 python -m
+    sglang.launch_server ...`` with SGLang's CPU engine flags (torch-native attention) and
+    ``--max-total-tokens`` when given, every flag taken by SGLang's own parser; the default
+    (``--device cuda``, no sizing) prints what it printed before: no environment, no flag of
+    either."""
+    source, target = model_dirs
+    args = ["sglang-args", "--engine", source, "--engine", target, "--pack", str(fitted_pack[0])]
+    cpu = commands_of(succeed([*args, "--device", "cpu", "--max-total-tokens", "4096"]).output)
+    commands = [shlex.split(line) for line in cpu]
+    assert len(commands) == 2
+    for words in commands:
+        assert words[:4] == ["SGLANG_USE_CPU_ENGINE=1", "python", "-m", "sglang.launch_server"]
+        parsed = sglang_parses(words[4:])
+        assert (parsed.device, parsed.attention_backend) == ("cpu", "torch_native")
+        assert parsed.max_total_tokens == 4096 and parsed.enable_hierarchical_cache
+    gpu = commands_of(succeed(args).output)
+    assert commands_of(succeed([*args, "--device", "cuda"]).output) == gpu
+    assert len(gpu) == 2 and all(line.startswith("python -m sglang.launch_server ") for line in gpu)
+    assert not any(flag in line for line in gpu for flag in ("--device", "--max-total-tokens"))
+    sized = commands_of(succeed([*args, "--max-total-tokens", "65536"]).output)
+    assert sized == [f"{line} --max-total-tokens 65536" for line in gpu]
+    refused_as_usage([*args, "--device", "tpu"], "--device")
+    refused_as_usage([*args, "--max-total-tokens", "0"], "--max-total-tokens")
+
+
+def commands_of(output: str) -> list[str]:
+    """The command lines of ``sglang-args``' output (its comment lines say what was measured
+    on this machine, and name each engine)."""
+    return [line for line in output.splitlines() if not line.startswith("#")]
+
+
 def sglang_parses(argv: list[str]):
     """``argv`` as SGLang 0.5.23's server parses it (argparse.Namespace)."""
     import argparse

@@ -27,3 +27,50 @@ def test_the_deadline_leaves_the_margin_at_every_length(measured):
         "prefetch_timeout_base": deadline.base,
         "prefetch_timeout_per_ki_token": deadline.per_ki_token,
     }
+
+
+def test_cpu_engine_lines_run_as_printed_in_a_shell(model_folders, tmp_path):
+    """``device="cpu"``: the environment assignment SGLang's CPU engine needs, then ``python -m
+    sglang.launch_server`` with its flags; ``shell_line`` of it, run by bash, starts ``python``
+    with exactly those arguments (the JSON extra config intact) and the variable set. A stand-in
+    ``python`` first on PATH records what it was started with."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from sgl_kvmap.sglang.launch import EngineSpec, engine_commands, shell_line
+
+    engines = [EngineSpec(model_folders["source"], "small", port=31000)]
+    (argv,) = engine_commands(engines, [], store_path="/tmp/a b", device="cpu", max_total_tokens=64)
+    assert argv[:4] == ["SGLANG_USE_CPU_ENGINE=1", "python", "-m", "sglang.launch_server"]
+    assert argv[-6:] == [
+        "--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", "64"
+    ]  # fmt: skip
+    recorder = tmp_path / "python"
+    recorder.write_text(
+        f"#!{sys.executable}\nimport json, os, sys\n"
+        "print(json.dumps([os.environ.get('SGLANG_USE_CPU_ENGINE'), sys.argv[1:]]))\n"
+    )
+    recorder.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    env.pop("SGLANG_USE_CPU_ENGINE", None)
+    ran = subprocess.run(["bash", "-c", shell_line(argv)], env=env, capture_output=True, text=True)
+    assert json.loads(ran.stdout) == ["1", argv[2:]]
+
+
+def test_cuda_engine_lines_are_unchanged_by_the_cpu_options(model_folders):
+    """The default device is cuda: no environment word, no CPU flag; ``max_total_tokens`` adds
+    only its flag; an unknown device is refused."""
+    from sgl_kvmap.core.errors import KVMapError
+    from sgl_kvmap.sglang.launch import EngineSpec, engine_commands
+
+    engines = [EngineSpec(model_folders["source"], "small")]
+    (default,) = engine_commands(engines, [])
+    assert default[:3] == ["python", "-m", "sglang.launch_server"]
+    assert "--device" not in default and "--max-total-tokens" not in default
+    assert engine_commands(engines, [], device="cuda") == [default]
+    (sized,) = engine_commands(engines, [], max_total_tokens=8)
+    assert sized == [*default, "--max-total-tokens", "8"]
+    with pytest.raises(KVMapError, match="device must be one of"):
+        engine_commands(engines, [], device="tpu")
