@@ -29,14 +29,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shlex
 import shutil
-import signal
-import subprocess
 import sys
-import time
-from contextlib import contextmanager
 from datetime import date
 from pathlib import Path
 
@@ -46,6 +41,7 @@ from sgl_kvmap.bench.live import QUALITY_TOKENS
 from sgl_kvmap.bench.records import MODES, REFERENCE_MODE, RequestRecord
 from sgl_kvmap.bench.workload import WorkloadConfig
 from sgl_kvmap.sglang.launch import PAGE_SIZE, EngineSpec, engine_commands, shell_line
+from sgl_kvmap.sglang.servers import running_servers
 
 log = logging.getLogger("bench_live")
 EXTRA_CONFIG = "--hicache-storage-backend-extra-config"
@@ -81,63 +77,6 @@ def _with_extra(argv: list[str], **keys) -> list[str]:
 def _replace(argv: list[str], flag: str, value: str) -> list[str]:
     i = argv.index(flag)
     return [*argv[: i + 1], value, *argv[i + 2 :]]
-
-
-@contextmanager
-def running_servers(commands: list[list[str]], ports: list[int], logs: list[Path]):
-    """Start each server after the previous one is healthy; stop them all on exit."""
-    processes = []
-    try:
-        for argv, port, log_path in zip(commands, ports, logs):
-            log.info("starting %s (log %s)", shell_line(argv), log_path)
-            with open(log_path, "w") as log_file:
-                argv = [sys.executable, *argv[1:]]  # this interpreter, where sgl-kvmap is
-                processes.append(
-                    subprocess.Popen(
-                        argv, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
-                    )
-                )
-            _wait_healthy(processes[-1], port, log_path)
-        yield
-    finally:
-        for process in processes:
-            _stop(process)
-
-
-def _wait_healthy(process: subprocess.Popen, port: int, log_path: Path, timeout=900.0) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise click.ClickException(
-                f"the server on port {port} exited with {process.returncode}; the end of "
-                f"{log_path}:\n{_tail(log_path)}"
-            )
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(3)
-    raise click.ClickException(
-        f"no healthy server on port {port} after {timeout:.0f} s; {log_path}"
-    )
-
-
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is not None:
-        return
-    os.killpg(process.pid, signal.SIGTERM)  # its own session: the server and its children
-    try:
-        process.wait(timeout=90)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
 def _write_report(records: list[RequestRecord], header: dict, out: Path) -> None:
@@ -262,12 +201,15 @@ def _replay_once(mode, policy, engines, packs, store_path, deadline, mem_fractio
     shutil.rmtree(store, ignore_errors=True)
     Path(store).mkdir(parents=True)
     commands = mode_commands(mode, engines, packs, store, deadline, mem_fractions)
-    ports = [e.port for e in engines]
+    # this interpreter, where sgl-kvmap is, runs each server
+    lines = [shell_line([sys.executable, *argv[1:]]) for argv in commands]
     logs = [out / "logs" / f"{mode}-{policy}-{model}.log" for model in ("small", "large")]
-    servers = {m: f"http://127.0.0.1:{p}" for m, p in zip(("small", "large"), ports)}
+    servers = {m: f"http://127.0.0.1:{e.port}" for m, e in zip(("small", "large"), engines)}
     log.info("mode %s, policy %s: %d requests", mode, policy, len(turns))
+    for line, log_path in zip(lines, logs):
+        log.info("starting %s (log %s)", line, log_path)
     try:
-        with running_servers(commands, ports, logs), LiveClient(servers) as client:
+        with running_servers(lines, logs), LiveClient(servers) as client:
             return replay(
                 turns, models, moved, ideal, policy=policy, mode=mode, client=client,
                 references=references, quality_tokens=quality_tokens,
