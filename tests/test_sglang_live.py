@@ -1,0 +1,293 @@
+"""KVMapStorage inside real ``sglang.launch_server`` processes (SGLang 0.5.23, its CPU engine).
+
+Two engines serve the tiny pair of ``served_pair`` (model "a": 3 layers x 2 KV heads x 16, model
+"b": 4 layers x 1 KV head x 32, one character tokenizer, packs a -> b and b -> a), each started
+from the command line that ``sgl-kvmap sglang-args --device cpu --engine A=tiny-a --engine
+B=tiny-b --pack ... --store-path TMP --max-total-tokens 8192`` prints (run as a user runs it,
+its output run with ``bash -c``, so the printed command is what is tested), and driven only
+through HTTP: ``POST /generate`` with ``input_ids``, greedy, by ``sgl_kvmap.bench.live``'s
+client, which reads SGLang's own ``meta_info.cached_tokens_details`` (device, host, storage).
+Everything sglang-args does not set is SGLang's default: the page size is sglang-args' 64, the
+prefetch threshold SGLang's 256 tokens (a request prefetches only when at least 256 tokens
+beyond what it has cached are found in storage), the stop policy and deadline what sglang-args
+printed.
+
+Substituted for this CPU test environment (environment variables added to each printed line,
+nothing else; a GPU deployment needs none of them):
+
+- ``PYTHONPATH`` gains ``scripts/sglang_cpu``: a stand-in ``sgl_kernel`` package (torch versions
+  of the two CPU ops SGLang's CPU engine imports and of ``sgl_kernel.kvcacheio``'s host <->
+  device copies; no ``torch.ops.sgl_kernel`` op, so every layer runs ``forward_native``) and a
+  ``sitecustomize`` import hook that applies SGLang's two CPU HiCache fixes after the modules
+  load (the host pool pins memory only where pinning exists; ``pool_host/mha.py`` gets the
+  stand-in's transfer functions on CPU). Both are described in scripts/sglang_cpu. It also
+  gains this checkout's root, so the servers (and ``sgl-kvmap sglang-args``, run with the same
+  variables) load the sgl_kvmap under test whichever copy is installed.
+- ``KVMAP_HICACHE_RESERVE_BYTES`` = 256 MiB: read by that hook, it replaces SGLang's 10 GiB
+  host-memory reserve, which a 24 GiB test machine running other jobs does not have free.
+- ``PATH`` starts with this interpreter's folder: the printed ``python`` is the Python running
+  these tests (where sglang and sgl-kvmap are installed).
+
+The tests also read the store folder (the page files HiCache's ``file`` store names
+``{page hash}_{served name, / as -}_{tp rank}_{tp size}.bin``): to wait until a server's
+write-through has stored a turn's pages before the next turn, and to check which model's pages
+are there. One test deletes a peer's files there, as a store evicting them would.
+
+Servers are started five times in all, at most two at once (each is three processes of about
+1 GB): the translating pair, a restart of B, a B with no pack into it and a B on an empty store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shlex
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sglang", reason="the live-server tests need SGLang 0.5.23 (setup_cpu.sh)")
+
+from sgl_kvmap.bench.live import LiveClient  # noqa: E402
+from sgl_kvmap.sglang.servers import (  # noqa: E402
+    LiveServer,
+    free_port_base,
+    sglang_args_lines,
+    start_server,
+    stop_servers,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = 64  # sglang-args' default --page-size
+MAX_TOTAL_TOKENS = 8192
+ANSWER = 8  # greedy tokens per request
+NAMES = {"a": "tiny-a", "b": "tiny-b"}  # served names
+START_TIMEOUT_S = 420.0
+STORE_TIMEOUT_S = 60.0
+ENVIRONMENT = {
+    "PYTHONPATH": f"{ROOT / 'scripts' / 'sglang_cpu'}:{ROOT}",
+    "KVMAP_HICACHE_RESERVE_BYTES": str(256 * 2**20),
+    "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+}
+
+
+class Deployment:
+    """The printed command lines of one ``sglang-args`` call and the servers running them."""
+
+    def __init__(self, folder: Path, pair: dict, packs: list[tuple[int, int]], port: int, store):
+        self.folder, self.store = folder, Path(store)
+        self.store.mkdir(parents=True, exist_ok=True)
+        engines = [f"{path}={NAMES[m]}" for path, m in zip(pair["names"], "ab")]
+        args = ["--device", "cpu", "--engine", engines[0], "--engine", engines[1]]
+        for pack in packs:
+            args += ["--pack", pair["packs"][pack]]
+        args += ["--store-path", str(self.store), "--max-total-tokens", str(MAX_TOTAL_TOKENS)]
+        self.lines = sglang_args_lines(
+            [*args, "--port", str(port)], program=sgl_kvmap_program(), env=ENVIRONMENT
+        )
+        self.servers: dict[str, LiveServer] = {}
+        self.starts = 0
+
+    def line(self, model: str) -> str:
+        return self.lines[NAMES[model]]
+
+    def extra_config(self, model: str) -> dict:
+        words = shlex.split(self.line(model))
+        return json.loads(words[words.index("--hicache-storage-backend-extra-config") + 1])
+
+    def server(self, model: str) -> LiveServer:
+        if model not in self.servers:
+            log = self.folder / f"{model}-{self.starts}.log"
+            started = time.monotonic()
+            self.servers[model] = start_server(self.line(model), log, ENVIRONMENT, START_TIMEOUT_S)
+            STARTUPS.append((f"{NAMES[model]} ({log.name})", time.monotonic() - started))
+            self.starts += 1
+        return self.servers[model]
+
+    def stop(self, *models: str) -> None:
+        stop_servers([self.servers.pop(m) for m in models if m in self.servers], grace=30)
+
+    def client(self, *models: str) -> LiveClient:
+        return LiveClient({m: self.server(m).url for m in models}, timeout=300)
+
+
+STARTUPS: list[tuple[str, float]] = []  # (server, seconds to healthy), printed at the end
+
+
+def sgl_kvmap_program() -> str:
+    """The ``sgl-kvmap`` console script of this interpreter's installation."""
+    script = Path(sys.executable).parent / "sgl-kvmap"
+    return str(script) if script.exists() else "sgl-kvmap"
+
+
+@pytest.fixture(scope="module")
+def live(served_pair, tmp_path_factory):
+    """The translating pair: both packs, one store; servers started on first use."""
+    folder = tmp_path_factory.mktemp("live")
+    deployment = Deployment(
+        folder, served_pair, [(0, 1), (1, 0)], free_port_base(2), folder / "store"
+    )
+    yield deployment
+    deployment.stop(*list(deployment.servers))
+    for name, seconds in STARTUPS:
+        print(f"server {name} healthy after {seconds:.1f} s")
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    """Random character ids (3..99: no pad, BOS or EOS id)."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, 100) for _ in range(length)]
+
+
+def page_files(store: Path, model: str, tokens: list[int]) -> list[bool]:
+    """For each full page of ``tokens``: whether ``model``'s page file is in the store."""
+    from sglang.srt.mem_cache.utils import get_hash_str
+
+    full = len(tokens) // PAGE * PAGE
+    suffix = f"_{NAMES[model]}_0_1.bin"
+    return [(store / f"{h}{suffix}").exists() for h in get_hash_str(tokens[:full], None, PAGE)]
+
+
+def leading(flags: list[bool]) -> int:
+    return next((i for i, flag in enumerate(flags) if not flag), len(flags))
+
+
+def wait_stored(store: Path, model: str, tokens: list[int], pages: int) -> None:
+    """Until ``model``'s write-through has stored the first ``pages`` pages of ``tokens`` (and a
+    moment more, for what is written beside them)."""
+    deadline = time.monotonic() + STORE_TIMEOUT_S
+    while leading(page_files(store, model, tokens)) < pages:
+        if time.monotonic() > deadline:
+            found = leading(page_files(store, model, tokens))
+            raise AssertionError(f"{model} stored {found} of {pages} pages in {STORE_TIMEOUT_S} s")
+        time.sleep(0.2)
+    time.sleep(0.5)
+
+
+def first_turn(client: LiveClient, live: Deployment, model: str, tokens: list[int]):
+    """Serve ``tokens`` on ``model`` and wait until its KV pages are stored: those of every
+    token but the last answer token (the one whose KV is never computed), in full pages."""
+    generation = client.generate(model, tokens, ANSWER)
+    history = [*tokens, *generation.output_ids]
+    wait_stored(live.store, model, history, (len(history) - 1) // PAGE)
+    return history
+
+
+def translated(live: Deployment, sender: str, history: list[int], prompt_tokens: list[int]):
+    """Tokens SGLang should report from storage for ``prompt_tokens`` on the receiver: the
+    sender's leading stored pages of the prompt, minus the tail KVMapStorage leaves to the
+    receiver (``tail_pages``), as long as that clears SGLang's 256-token prefetch threshold."""
+    receiver = "b" if sender == "a" else "a"
+    stored = leading(page_files(live.store, sender, prompt_tokens))
+    prefetchable = min(stored, (len(prompt_tokens) - 1) // PAGE)
+    pages = prefetchable - live.extra_config(receiver)["tail_pages"]
+    return pages * PAGE if pages * PAGE >= 256 else 0
+
+
+@pytest.fixture(scope="module")
+def swapped_session(live):
+    """A session whose first turn A served (400 prompt tokens + its answer), then whose second
+    turn (the history + 60 new tokens) went to B: (history after A, B's prompt, B's
+    generation, the storage tokens expected)."""
+    with live.client("a", "b") as client:
+        history = first_turn(client, live, "a", prompt(1, 400))
+        second = [*history, *prompt(2, 60)]
+        expected = translated(live, "a", history, second)
+        return history, second, client.generate("b", second, ANSWER), expected
+
+
+def test_a_session_served_by_a_is_translated_for_b(live, swapped_session):
+    """B reports A's stored pages as storage hits, less the tail page it computes itself: with
+    A's 6 pages (407 tokens of KV) and tail_pages 1, 320 tokens; and B answers."""
+    history, second, generation, expected = swapped_session
+    assert live.extra_config("b")["translate"] and live.extra_config("b")["peers"]
+    assert leading(page_files(live.store, "a", history)) == 6
+    assert expected == 5 * PAGE
+    assert generation.cached == {"device": 0, "host": 0, "storage": expected}
+    assert generation.prompt_tokens == len(second) and len(generation.output_ids) > 0
+
+
+def test_concurrent_sessions_on_both_servers(live):
+    """Sessions sent at once from threads, their first turns alternating between A and B, each
+    second turn on the other server, as many swaps into each server as it translates at once
+    (``concurrent_translations``; a swap beyond them is prefilled): every request is answered
+    (HTTP 200, a streamed answer), and every swapped request reports translated pages from
+    storage (page-aligned, at most what its sender stored less the tail: a prefetch that
+    SGLang's deadline cuts under this load may bring fewer)."""
+    per_server = min(live.extra_config(m)["concurrent_translations"] for m in "ab")
+
+    def session(i: int):
+        first, second = ("a", "b") if i % 2 == 0 else ("b", "a")
+        with live.client("a", "b") as client:
+            history = first_turn(client, live, first, prompt(100 + i, 330 + 16 * i))
+            tokens = [*history, *prompt(200 + i, 40)]
+            expected = translated(live, first, history, tokens)
+            return expected, client.generate(second, tokens, ANSWER)
+
+    live.server("a"), live.server("b")
+    with ThreadPoolExecutor(2 * per_server) as pool:
+        outcomes = list(pool.map(session, range(2 * per_server)))
+    assert len(outcomes) >= 4
+    for i, (expected, generation) in enumerate(outcomes):
+        assert expected >= 4 * PAGE, f"session {i}: its sender stored too little to prefetch"
+        storage = generation.cached["storage"]
+        assert 0 < storage <= expected and storage % PAGE == 0, (i, generation.cached, expected)
+        assert len(generation.output_ids) > 0
+
+
+def test_a_restarted_b_never_serves_translated_pages_as_its_own(live, swapped_session):
+    """After B translated the session, the store holds no page of B's model for any page of
+    B's prompt (every one follows a translated page); B restarted with the same printed
+    command, and A's copies of those pages gone from the store (as a store evicting them would
+    do), the same prompt gets no storage hit at all and is computed by B, which then stores
+    its pages (its own KV now)."""
+    history, second, generation, _ = swapped_session
+    assert generation.cached["storage"] > 0  # B did translate (the first test's check)
+    assert not any(page_files(live.store, "b", [*second, *generation.output_ids]))
+    live.stop("b")
+    for page_hash in page_hashes(second):
+        for path in live.store.glob(f"{page_hash}*"):
+            if NAMES["a"] in path.name:
+                path.unlink()
+    with live.client("b") as client:
+        again = client.generate("b", second, ANSWER)
+    assert again.cached == {"device": 0, "host": 0, "storage": 0}
+    assert len(again.output_ids) > 0
+    computed = [*second, *again.output_ids]  # now B's own KV: stored as B's pages
+    wait_stored(live.store, "b", computed, (len(computed) - 1) // PAGE)
+
+
+def page_hashes(tokens: list[int]) -> list[str]:
+    from sglang.srt.mem_cache.utils import get_hash_str
+
+    return get_hash_str(tokens[: len(tokens) // PAGE * PAGE], None, PAGE)
+
+
+def test_a_swap_with_no_pack_into_b_is_prefilled(live, served_pair, tmp_path):
+    """B started from ``sglang-args`` with only the pack b -> a (no pack into B), on the store
+    where A stored the session's first turn: no storage hit, and B's answer is the answer of B
+    started from ``sglang-args`` on an empty store (plain prefill). The two B's start together,
+    once the translating pair has stopped."""
+    with live.client("a") as client:
+        history = first_turn(client, live, "a", prompt(3, 400))
+    second = [*history, *prompt(4, 60)]
+    assert translated(live, "a", history, second) > 0  # what a pack into B would translate
+    live.stop("a", "b")
+    no_pack = Deployment(tmp_path / "no-pack", served_pair, [(1, 0)], free_port_base(2), live.store)
+    alone = Deployment(tmp_path / "alone", served_pair, [], free_port_base(2), tmp_path / "empty")
+    assert not no_pack.extra_config("b")["translate"] and not any((tmp_path / "empty").iterdir())
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda deployment: deployment.server("b"), (no_pack, alone)))
+        with no_pack.client("b") as fallback_client, alone.client("b") as reference_client:
+            fallback = fallback_client.generate("b", second, ANSWER)
+            reference = reference_client.generate("b", second, ANSWER)
+    finally:
+        no_pack.stop("b")
+        alone.stop("b")
+    assert fallback.cached == reference.cached == {"device": 0, "host": 0, "storage": 0}
+    assert fallback.output_ids == reference.output_ids and len(reference.output_ids) > 0
