@@ -39,9 +39,10 @@ from .sglang.launch import (
     PREFETCH_POLICIES,
     STORE_PATH,
     EngineSpec,
+    LaunchOptions,
     PrefetchDeadline,
 )
-from .sglang.settings import INNER_BACKENDS, StorageSettings
+from .sglang.settings import INNER_BACKENDS, MAX_CONCURRENT_TRANSLATIONS, StorageSettings
 
 # the defaults every option shows and falls back to (sgl_kvmap/fitting/config.py)
 PACK, TUNE, EVAL, DEMO = PackRecipe(), TuneConfig(), EvalConfig(), DemoConfig()
@@ -836,6 +837,31 @@ def demo(
 )
 @click.option("--seed", type=AMOUNT, default=BENCH.seed, show_default=True)
 @click.option(
+    "--live",
+    is_flag=True,
+    help="Replay against two live sglang.launch_server processes started as sglang-args "
+    "prints them (restarted for every replay) instead of in-process engines.",
+)
+@click.option(
+    "--device",
+    type=click.Choice(DEVICES),
+    default=None,
+    help="With --live: SGLang's engine (default: cuda when there is a GPU, else cpu).",
+)
+@click.option(
+    "--port",
+    type=PORT,
+    default=EngineSpec.port,
+    show_default=True,
+    help="With --live: the small model's server port (the large one's is the next).",
+)
+@click.option(
+    "--store-path",
+    default=STORE_PATH,
+    show_default=True,
+    help="With --live: the folder under which each replay's store and the servers' logs go.",
+)
+@click.option(
     "--out",
     default="kvmap-bench",
     show_default=True,
@@ -862,21 +888,30 @@ def bench(
     quality_tokens,
     device_tokens,
     seed,
+    live,
+    device,
+    port,
+    store_path,
     out,
     as_json,
 ) -> None:
     """Benchmark prefix reuse across model swaps on a request trace.
 
     Sessions of the trace are routed between a small and a large model by each policy and
-    replayed on two in-process SGLang engines (SGLang's radix tree, HiCache host pool and a
-    shared store through sgl-kvmap's storage backend) in each mode; writes one record per
-    request, a summary and plots, and prints the summary.
+    replayed in each mode on two SGLang engines that share a store through sgl-kvmap's storage
+    backend, launched as ``sglang-args`` launches them (page size, prefetch policy and the
+    deadline it measures on this machine): in-process engines (SGLang's radix tree, HiCache
+    host pool and storage threads, driven through the scheduler's calls), or with --live two
+    sglang.launch_server processes. Writes one record per request, a summary and plots, and
+    prints the summary.
     """
+    import dataclasses
+
     from tqdm import tqdm
 
     from .bench.report import summarize, summary_markdown
-    from .bench.run import header, load_deployment, replays_of, run_bench, save_run
-    from .bench.workload import load_workload
+    from .bench.run import header, pair_and_packs, save_run
+    from .sglang.launch import measured_deadline
 
     workload = _config(
         ctx, WorkloadConfig, trace, scale, sessions, min_turns, max_turns, max_prompt_tokens
@@ -884,22 +919,72 @@ def bench(
     config = _config(
         ctx, BenchConfig, workload, policies, modes, quality_tokens, device_tokens, seed
     )
-    packs = {
+    given = {
         pair: _pack_folder(pack)
         for pair, pack in ((("small", "large"), pack_up), (("large", "small"), pack_down))
         if pack
     }
-    deployment = load_deployment(small, large, packs)
-    turns = load_workload(workload, deployment.models["large"].tokenizer)
-    with tqdm(total=replays_of(turns, config), desc="requests", unit="req") as bar:
-        records = run_bench(deployment, turns, config, on_request=lambda _: bar.update())
-    run_header = header(config, deployment, turns, _command_line())
+    names, packs = pair_and_packs(small, large, given)
+    device = device or ("cuda" if _has_gpu() else "cpu")
+    deadline, lines = measured_deadline(list(packs.values()), device=device if live else "cpu")
+    for line in lines:
+        click.echo(f"# {line}", err=True)
+    config = dataclasses.replace(config, deadline=deadline)
+    run = _live_bench if live else _in_process_bench
+    with tqdm(total=None, desc="requests", unit="req") as bar:
+        turns, records, engines = run(names, packs, config, bar, device, port, store_path)
+    run_header = header(config, names, packs, turns, _command_line(), engines)
     summary = save_run(records, run_header, out)
     if as_json:
         click.echo(json.dumps(summarize(records), indent=2, default=str))
     else:
         click.echo(summary_markdown(records, run_header))
         click.echo(f"records, summary and plots written to {summary.parent}/")
+
+
+def _in_process_bench(names, packs, config, bar, device, port, store_path):
+    """The benchmark's replays on in-process engines: (turns, records, what served them)."""
+    from .bench.replay import Deployment
+    from .bench.run import replays_of, run_bench
+    from .bench.workload import load_workload
+    from .models.capture import load_model
+
+    deployment = Deployment({role: load_model(name) for role, name in names.items()}, names, packs)
+    turns = load_workload(config.workload, deployment.models["large"].tokenizer)
+    bar.total = replays_of(turns, config)
+    records = run_bench(deployment, turns, config, on_request=lambda _: bar.update())
+    return turns, records, "in-process SGLang engines, CPU"
+
+
+def _live_bench(names, packs, config, bar, device, port, store_path):
+    """The benchmark's replays on live servers (``bench.live_run``): (turns, records, what
+    served them)."""
+    from transformers import AutoTokenizer
+
+    from .bench.live_run import LiveSetup, run_live
+    from .bench.run import replays_of
+    from .bench.workload import load_workload
+    from .core.sources import model_folder
+
+    tokenizer = AutoTokenizer.from_pretrained(model_folder(names["large"], weights=False))
+    turns = load_workload(config.workload, tokenizer)
+    bar.total = replays_of(turns, config)
+    options = LaunchOptions(
+        store_path=store_path,
+        page_size=config.workload.page_size,
+        device=device,
+        max_total_tokens=config.device_tokens,
+    )
+    logs = Path(store_path) / "logs"
+    setup = LiveSetup(names, packs, options, port, config.deadline, logs)
+    records = run_live(turns, config, setup, on_request=lambda _: bar.update())
+    return turns, records, f"live SGLang servers, {device} (logs in {logs})"
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 @main.command(name="sglang-args")
@@ -967,9 +1052,31 @@ def bench(
     default=None,
     help="Size of every engine's KV pool in tokens (default: SGLang sizes it from free memory).",
 )
+@click.option(
+    "--tail-pages",
+    type=AMOUNT,
+    default=StorageSettings.tail_pages,
+    show_default=True,
+    help="Last pages of a translated run the receiving engine computes itself.",
+)
+@click.option(
+    "--concurrent-translations",
+    type=click.IntRange(1, MAX_CONCURRENT_TRANSLATIONS),
+    default=StorageSettings.concurrent_translations,
+    show_default=True,
+    help="Swaps an engine translates at once (a swap beyond them is prefilled); the deadline "
+    "is timed for this many.",
+)
+@click.option(
+    "--audit-translations",
+    is_flag=True,
+    help="Also keep every page an engine receives translated in its store (key + "
+    "'.translated'), to check translations against their source.",
+)
 @click.pass_context
 def sglang_args(ctx, engines, packs, store, store_path, page_size, port, tp_size, prefetch_policy,
-                device, max_total_tokens):  # fmt: skip
+                device, max_total_tokens, tail_pages, concurrent_translations,
+                audit_translations):  # fmt: skip
     """Print the SGLang launch command of every ENGINE, sharing prefixes through sgl-kvmap."""
     from .sglang.launch import engine_commands, measured_deadline, peers_of, shell_line
 
@@ -984,7 +1091,13 @@ def sglang_args(ctx, engines, packs, store, store_path, page_size, port, tp_size
         for i, engine in enumerate(engines)
     ]
     peers_of(specs, list(packs))  # every pack between two engines, before timing any
-    deadline, lines = measured_deadline(list(packs), prefetch_policy)
+    options = LaunchOptions(
+        store, store_path, page_size, device, max_total_tokens, tail_pages,
+        concurrent_translations, audit_translations,
+    )  # fmt: skip
+    deadline, lines = measured_deadline(
+        list(packs), prefetch_policy, concurrent=concurrent_translations, device=device
+    )
     for line in lines:
         click.echo(f"# {line}")
     if packs and deadline.policy == "timeout":
@@ -993,9 +1106,7 @@ def sglang_args(ctx, engines, packs, store, store_path, page_size, port, tp_size
             f"tokens ({deadline.seconds(2048):.1f} s at 2,048 tokens, "
             f"{deadline.seconds(8192):.1f} s at 8,192)"
         )
-    commands = engine_commands(
-        specs, list(packs), store, store_path, page_size, deadline, device, max_total_tokens
-    )
+    commands = engine_commands(specs, list(packs), options, deadline)
     for spec, argv in zip(specs, commands):
         click.echo(f"# {spec.name}")
         click.echo(shell_line(argv))

@@ -320,52 +320,39 @@ def test_streamed_error_is_reported(servers):
         run(urls, "reprefill")
 
 
-def bench_live_script():
-    """benchmarks/bench_live.py, the GPU driver (a script, not a package module)."""
-    import importlib.util
-    from pathlib import Path
+def test_each_mode_launches_the_servers_it_names(served_pair, tmp_path):
+    """``bench --live``'s command lines per mode (``live_run.mode_lines``, what ``sglang-args``
+    prints for the pair), parsed by SGLang 0.5.23's own ServerArgs parser: reprefill gives no
+    engine a pack; translated and tail give both, with tail_pages 0 and the default tail."""
+    import shlex
 
-    path = Path(__file__).parents[1] / "benchmarks" / "bench_live.py"
-    spec = importlib.util.spec_from_file_location("bench_live", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_each_mode_launches_the_servers_it_names(monkeypatch):
-    """The driver's launch commands per mode, parsed by SGLang 0.5.23's own ServerArgs parser
-    (engine_commands is replaced by its per-engine body: peers need real models and packs)."""
-    from sgl_kvmap.sglang import launch
-    from sgl_kvmap.sglang.launch import EngineSpec, PrefetchDeadline
+    from sgl_kvmap.bench.live_run import LiveSetup, mode_lines, mode_options
+    from sgl_kvmap.sglang.launch import LaunchOptions, PrefetchDeadline
     from sgl_kvmap.sglang.settings import StorageSettings
 
-    from .test_cli import launch_flags, sglang_parses
+    from .test_cli import sglang_parses
 
-    script = bench_live_script()
-    peer = launch.PeerSettings("S", "/packs/s2l", "S", 1)
-
-    def commands(engines, packs, store_path, deadline=None):
-        peers = [[], [peer] if packs else []]
-        return [launch._command(e, p, "file", store_path, 64, deadline or PrefetchDeadline())
-                for e, p in zip(engines, peers)]  # fmt: skip
-
-    monkeypatch.setattr(script, "engine_commands", commands)
-    engines = [EngineSpec("S", port=31000), EngineSpec("L", port=31001)]
-    argv = {
-        mode: script.mode_commands(mode, engines, ["/packs/s2l"], "/tmp/st", None, (0.3, 0.45))
-        for mode in ("reprefill", "translated", "tail")
-    }
-    plain = [sglang_parses(c[3:]) for c in argv["reprefill"]]
-    assert [a.hicache_storage_backend for a in plain] == ["file", "file"]
-    assert [a.mem_fraction_static for a in plain] == [0.3, 0.45]
-    assert all(a.enable_hierarchical_cache and a.page_size == 64 for a in plain)
-    assert json.loads(plain[1].hicache_storage_backend_extra_config) == {
-        "file_storage_path": "/tmp/st"
-    }
-    for mode, tail in (("translated", 0), ("tail", StorageSettings.tail_pages)):
-        parsed = [sglang_parses(c[3:]) for c in argv[mode]]
-        assert all(a.hicache_storage_backend == "dynamic" for a in parsed)
-        extra = json.loads(launch_flags(argv[mode][1][3:])[script.EXTRA_CONFIG])
-        large = StorageSettings.from_extra_config(extra)
-        assert large.translate and large.tail_pages == tail
-        assert extra["file_storage_path"] == "/tmp/st"
+    names = dict(zip(("small", "large"), served_pair["names"]))
+    roles = ("small", "large")
+    packs = {(roles[s], roles[t]): pack for (s, t), pack in served_pair["packs"].items()}
+    options = LaunchOptions(device="cpu", max_total_tokens=4096)
+    setup = LiveSetup(names, packs, options, 31000, PrefetchDeadline(base=2.0), tmp_path)
+    for mode, tail in (
+        ("reprefill", None),
+        ("translated", 0),
+        ("tail", StorageSettings.tail_pages),
+    ):
+        lines = mode_lines(setup, mode, mode_options(setup, mode, str(tmp_path / mode)))
+        parsed = [sglang_parses(shlex.split(line)[4:]) for line in lines]
+        assert [a.port for a in parsed] == [31000, 31001]
+        assert [a.served_model_name for a in parsed] == ["small", "large"]
+        assert all(a.page_size == 64 and a.device == "cpu" for a in parsed)
+        for args in parsed:
+            extra = json.loads(args.hicache_storage_backend_extra_config)
+            settings = StorageSettings.from_extra_config(extra)
+            assert extra["file_storage_path"] == str(tmp_path / mode)
+            assert settings.stats_path == str(tmp_path / mode / "kvmap-stats")
+            assert settings.translate == (tail is not None)
+            if tail is not None:
+                assert settings.tail_pages == tail and extra["prefetch_timeout_base"] == 2.0
+                assert args.hicache_storage_prefetch_policy == "timeout"

@@ -24,8 +24,13 @@ from sgl_kvmap.bench.workload import WorkloadConfig, ideal_reuse, load_workload
 from sgl_kvmap.core.cache import KVCache
 from sgl_kvmap.core.mapper import KVMapper
 from sgl_kvmap.kernels import fast_matmul_dtype
+from sgl_kvmap.sglang.launch import PrefetchDeadline
 
 PAGE = 8
+# what the scenarios below check is what each replay reuses and translates, not when: their
+# prompts are a few 8-token pages (below SGLang's 256-token prefetch threshold) and SGLang waits
+# for every prefetch (on a loaded test machine a 1 s deadline would decide instead)
+UNTIMED = {"prefetch_threshold": PAGE, "deadline": PrefetchDeadline("wait_complete")}
 TEXT = sorted((Path(__file__).parent.parent / "sgl_kvmap").rglob("*.py"))
 
 # Four sessions of 2-3 turns; every session opens with block 0 (the trace's shared system
@@ -67,7 +72,9 @@ def trace(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def turns(deployment, trace):
-    config = WorkloadConfig(str(trace), scale=16, sessions=4, max_prompt_tokens=None)
+    config = WorkloadConfig(
+        str(trace), scale=16, sessions=4, max_prompt_tokens=None, page_size=PAGE
+    )
     return load_workload(config, deployment.models["small"].tokenizer, text_files=TEXT)
 
 
@@ -76,7 +83,10 @@ def records(deployment, turns):
     """Every mode of an alternating and a sticky routing, with the sender's translations
     checked as they are served (``translations``)."""
     config = BenchConfig(
-        WorkloadConfig(page_size=PAGE), policies=("sticky", "alternate"), quality_tokens=4
+        WorkloadConfig(scale=16, page_size=PAGE),
+        policies=("sticky", "alternate"),
+        quality_tokens=4,
+        **UNTIMED,
     )
     return run_bench(deployment, turns, config)
 
@@ -135,9 +145,11 @@ def test_every_translated_request_holds_the_reference_translation(deployment, tu
     sending engine computed for them (read from its device pool, where its tree holds them) at
     their true positions, as the translation runs (bfloat16 pools, products in the CPU's fast
     dtype)."""
-    config = BenchConfig(WorkloadConfig(page_size=PAGE), policies=("alternate",), quality_tokens=2)
+    config = BenchConfig(
+        WorkloadConfig(scale=16, page_size=PAGE), policies=("alternate",), quality_tokens=2
+    )
     ((replay_plan, _),) = plan(turns, config)
-    replay(deployment, replay_plan, "reprefill", quality_tokens=2, page_size=PAGE)
+    replay(deployment, replay_plan, "reprefill", quality_tokens=2, page_size=PAGE, **UNTIMED)
     checked = []
 
     def check(engines, i, slots, record):
@@ -161,7 +173,15 @@ def test_every_translated_request_holds_the_reference_translation(deployment, tu
         assert not torch.equal(moved.keys[0], want.keys[0])  # so the position was checked
         checked.append(i)
 
-    replay(deployment, replay_plan, "translated", quality_tokens=2, page_size=PAGE, inspect=check)
+    replay(
+        deployment,
+        replay_plan,
+        "translated",
+        quality_tokens=2,
+        page_size=PAGE,
+        **UNTIMED,
+        inspect=check,
+    )
     assert len(checked) >= 3 and all(replay_plan.swapped[i] for i in checked)
 
 
@@ -169,15 +189,20 @@ def test_a_request_that_falls_back_computes_what_reprefill_computes(deployment, 
     """With ``sinks: native`` a swap into an engine without its own copy of the prefix's first
     page is not translated (fallback ``no_native_sink_page``): it must compute exactly what the
     same request computes under re-prefill."""
-    config = BenchConfig(WorkloadConfig(page_size=PAGE), policies=("alternate",), quality_tokens=2)
+    config = BenchConfig(
+        WorkloadConfig(scale=16, page_size=PAGE), policies=("alternate",), quality_tokens=2
+    )
     ((replay_plan, _),) = plan(turns, config)
-    reference = replay(deployment, replay_plan, "reprefill", quality_tokens=2, page_size=PAGE)
+    reference = replay(
+        deployment, replay_plan, "reprefill", quality_tokens=2, page_size=PAGE, **UNTIMED
+    )
     served = replay(
         deployment,
         replay_plan,
         "translated",
         quality_tokens=2,
         page_size=PAGE,
+        **UNTIMED,
         overrides={"sinks": "native"},
     )
     fell_back = [
@@ -193,7 +218,7 @@ def test_translating_modes_need_the_reference_replay_first(deployment, turns):
     models = parse_policy("alternate").route(turns)
     fresh = ReplayPlan("alternate", turns, models, swapped(turns, models), ideal_reuse(turns, PAGE))
     with pytest.raises(Exception, match="reprefill"):
-        replay(deployment, fresh, "translated", page_size=PAGE)
+        replay(deployment, fresh, "translated", page_size=PAGE, **UNTIMED)
 
 
 def test_the_command_writes_records_summary_and_plots_and_keeps_foreign_folders(
@@ -210,7 +235,7 @@ def test_the_command_writes_records_summary_and_plots_and_keeps_foreign_folders(
         *("--small", deployment.names["small"], "--large", deployment.names["large"]),
         *("--pack-up", deployment.packs["small", "large"]),
         *("--pack-down", deployment.packs["large", "small"]),
-        *("--trace", str(trace), "--scale", "16", "--sessions", "4", "--quality-tokens", "2"),
+        *("--trace", str(trace), "--scale", "8", "--sessions", "4", "--quality-tokens", "2"),
         *("--policy", "sticky", "--policy", "alternate", "--mode", "translated"),
     ]
     out = tmp_path / "run"
@@ -221,7 +246,7 @@ def test_the_command_writes_records_summary_and_plots_and_keeps_foreign_folders(
     assert {json.loads(line)["mode"] for line in lines} == {"reprefill", "translated"}
     run = json.loads((out / "run.json").read_text())
     assert run["command"].startswith("sgl-kvmap bench --small ")
-    assert "1/16" in run["scale"] and run["trace"] == trace.name and "pack_01" in run["packs"]
+    assert "1/8" in run["scale"] and run["trace"] == trace.name and "pack_01" in run["packs"]
     assert all((out / name).stat().st_size > 0 for name in ("summary.md", "ttft_cdf.png"))
     assert "alternate" in result.output and "sticky" in result.output
     again = CliRunner().invoke(main, [*args, "--out", str(out), "--json"])
@@ -239,10 +264,14 @@ def test_the_command_writes_records_summary_and_plots_and_keeps_foreign_folders(
 def test_a_small_device_pool_evicts_and_reuse_comes_back_from_the_host_pool(deployment, turns):
     """With room for a few pages on the device, SGLang evicts (write-through kept a host copy):
     later turns reuse their history from the host tier and the tiers still add up."""
-    config = BenchConfig(WorkloadConfig(page_size=PAGE), policies=("sticky",))
+    config = BenchConfig(WorkloadConfig(scale=16, page_size=PAGE), policies=("sticky",))
     ((replay_plan, _),) = plan(turns, config)
-    small = replay(deployment, replay_plan, "reprefill", page_size=PAGE, device_tokens=256)
-    large = replay(deployment, replay_plan, "reprefill", page_size=PAGE, device_tokens=8192)
+    small = replay(
+        deployment, replay_plan, "reprefill", page_size=PAGE, **UNTIMED, device_tokens=256
+    )
+    large = replay(
+        deployment, replay_plan, "reprefill", page_size=PAGE, **UNTIMED, device_tokens=8192
+    )
     assert sum(r.reused["host"] + r.reused["storage"] for r in small) > 0
     for s, g in zip(small, large):
         assert sum(s.reused.values()) + s.computed == s.prompt_tokens

@@ -173,7 +173,7 @@ def test_repeated_block_ids_are_identical_tokens_and_distinct_ids_distinct(tmp_p
 def test_the_stream_wraps_around_when_the_held_out_text_runs_out(tmp_path):
     (tmp_path / "short.txt").write_text("".join(map(chr, range(300, 340))))  # 40 tokens
     trace = write_jsonl(tmp_path / "t.jsonl", [request(0, [0, 1, 2])])
-    config = WorkloadConfig(trace=trace, scale=16, min_turns=1)
+    config = WorkloadConfig(trace=trace, scale=16, min_turns=1, page_size=8)
     (turn,) = load_workload(config, code_points, [tmp_path / "short.txt"])
     assert turn.tokens == tuple(range(300, 340)) + tuple(range(300, 340)) + tuple(range(300, 316))
 
@@ -181,7 +181,7 @@ def test_the_stream_wraps_around_when_the_held_out_text_runs_out(tmp_path):
 def test_held_out_files_are_read_only_as_far_as_the_prompts_reach(tmp_path, held_out):
     trace = write_jsonl(tmp_path / "t.jsonl", [request(0, [0, 1])])
     missing = tmp_path / "never-read.txt"
-    config = WorkloadConfig(trace=trace, scale=16, min_turns=1)
+    config = WorkloadConfig(trace=trace, scale=16, min_turns=1, page_size=8)
     assert len(load_workload(config, code_points, [*held_out, missing])[0].tokens) == 64
 
 
@@ -189,7 +189,7 @@ def test_scale_divides_block_size_and_every_length(tmp_path, held_out):
     rows = [request(0, [0, 1, 2], 1100, 300), request(10, [0, 1, 2, 3], 1700, 7)]
     trace = write_jsonl(tmp_path / "t.jsonl", rows)
     for scale in (4, 16, 64):
-        config = WorkloadConfig(trace=trace, scale=scale, max_prompt_tokens=None)
+        config = WorkloadConfig(trace=trace, scale=scale, max_prompt_tokens=None, page_size=8)
         turns = load_workload(config, code_points, held_out)
         assert [len(t.tokens) for t in turns] == [1100 // scale, 1700 // scale]
         assert [t.output_tokens for t in turns] == [300 // scale, max(1, 7 // scale)]
@@ -199,7 +199,7 @@ def test_scale_divides_block_size_and_every_length(tmp_path, held_out):
 
 def test_a_block_that_is_not_whole_pages_is_refused():
     with pytest.raises(KVMapError, match="page size 8"):
-        WorkloadConfig(scale=128)
+        WorkloadConfig(scale=128, page_size=8)
     with pytest.raises(KVMapError, match="page size 16"):
         WorkloadConfig(scale=3, page_size=16)  # 170-token blocks
     with pytest.raises(KVMapError, match="max_turns"):
@@ -222,7 +222,7 @@ def test_the_slice_keeps_sessions_of_min_turns_below_max_turns_and_the_prompt_ca
         request(7, [0, 7, 8, 9, 10, 11, 12]),
     ]
     trace = write_jsonl(tmp_path / "t.jsonl", rows)
-    cut = WorkloadConfig(trace=trace, scale=16, max_turns=3, max_prompt_tokens=128)
+    cut = WorkloadConfig(trace=trace, scale=16, max_turns=3, max_prompt_tokens=128, page_size=8)
     assert [(t.session, t.turn) for t in load_workload(cut, code_points, held_out)] == [
         (0, 0),
         (0, 1),
@@ -230,11 +230,14 @@ def test_the_slice_keeps_sessions_of_min_turns_below_max_turns_and_the_prompt_ca
         (1, 0),
         (1, 1),
     ]
-    first = WorkloadConfig(trace=trace, scale=16, sessions=1, min_turns=4, max_prompt_tokens=None)
+    first = WorkloadConfig(
+        trace=trace, scale=16, sessions=1, min_turns=4, max_prompt_tokens=None, page_size=8
+    )
     assert len(load_workload(first, code_points, held_out)) == 4
     with pytest.raises(KVMapError, match="min_turns"):
         load_workload(
-            WorkloadConfig(trace=trace, scale=16, min_turns=4, max_prompt_tokens=128), code_points
+            WorkloadConfig(trace=trace, scale=16, min_turns=4, max_prompt_tokens=128, page_size=8),
+            code_points,
         )
 
 
@@ -284,7 +287,7 @@ def agentic_trace(path):
 
 def test_agentic_turns_grow_by_an_answer_stand_in_and_the_new_messages(tmp_path, held_out):
     config = WorkloadConfig(
-        trace=agentic_trace(tmp_path / "a.json"), scale=1, max_prompt_tokens=None
+        trace=agentic_trace(tmp_path / "a.json"), scale=1, max_prompt_tokens=None, page_size=8
     )
     turns = load_workload(config, code_points, held_out)
     assert [(t.session, t.turn) for t in turns] == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2)]
@@ -309,7 +312,7 @@ def test_agentic_turns_grow_by_an_answer_stand_in_and_the_new_messages(tmp_path,
 
 def test_agentic_scale_cuts_answers_and_messages(tmp_path, held_out):
     config = WorkloadConfig(
-        trace=agentic_trace(tmp_path / "a.json"), scale=4, max_prompt_tokens=None
+        trace=agentic_trace(tmp_path / "a.json"), scale=4, max_prompt_tokens=None, page_size=8
     )
     first, _, second, *_ = load_workload(config, code_points, held_out)
     messages = len("system: Be brief.\nuser: Fix the bug.\n")

@@ -209,6 +209,7 @@ def test_bench_replays_real_swaps_through_sglang(fitted, pair, tmp_path):
     from sgl_kvmap.bench.replay import Deployment
     from sgl_kvmap.bench.run import BenchConfig, run_bench
     from sgl_kvmap.bench.workload import WorkloadConfig, load_workload
+    from sgl_kvmap.sglang.launch import PrefetchDeadline
 
     names = {"small": str(ensure_model(SMALL)), "large": str(ensure_model(LARGE))}
     packs = {}
@@ -233,9 +234,16 @@ def test_bench_replays_real_swaps_through_sglang(fitted, pair, tmp_path):
             for t, n, ids in rows
         )
     )
-    workload = WorkloadConfig(str(trace), scale=64, sessions=2, max_prompt_tokens=None)
+    workload = WorkloadConfig(str(trace), scale=64, sessions=2, max_prompt_tokens=None, page_size=8)
     turns = load_workload(workload, pair[1].tokenizer)
-    config = BenchConfig(workload, policies=("alternate",), modes=("translated",), quality_tokens=4)
+    config = BenchConfig(  # short prompts: a lower threshold; no deadline decides on a busy CI
+        workload,
+        policies=("alternate",),
+        modes=("translated",),
+        quality_tokens=4,
+        prefetch_threshold=8,
+        deadline=PrefetchDeadline("wait_complete"),
+    )
     records = run_bench(deployment, turns, config)
     reprefill = [r for r in records if r.mode == "reprefill"]
     translated = [r for r in records if r.mode == "translated"]

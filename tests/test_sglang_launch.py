@@ -39,10 +39,11 @@ def test_cpu_engine_lines_run_as_printed_in_a_shell(model_folders, tmp_path):
     import subprocess
     import sys
 
-    from sgl_kvmap.sglang.launch import EngineSpec, engine_commands, shell_line
+    from sgl_kvmap.sglang.launch import EngineSpec, LaunchOptions, engine_commands, shell_line
 
     engines = [EngineSpec(model_folders["source"], "small", port=31000)]
-    (argv,) = engine_commands(engines, [], store_path="/tmp/a b", device="cpu", max_total_tokens=64)
+    options = LaunchOptions(store_path="/tmp/a b", device="cpu", max_total_tokens=64)
+    (argv,) = engine_commands(engines, [], options)
     assert argv[:4] == ["SGLANG_USE_CPU_ENGINE=1", "python", "-m", "sglang.launch_server"]
     assert argv[-6:] == [
         "--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", "64"
@@ -63,14 +64,14 @@ def test_cuda_engine_lines_are_unchanged_by_the_cpu_options(model_folders):
     """The default device is cuda: no environment word, no CPU flag; ``max_total_tokens`` adds
     only its flag; an unknown device is refused."""
     from sgl_kvmap.core.errors import KVMapError
-    from sgl_kvmap.sglang.launch import EngineSpec, engine_commands
+    from sgl_kvmap.sglang.launch import EngineSpec, LaunchOptions, engine_commands
 
     engines = [EngineSpec(model_folders["source"], "small")]
     (default,) = engine_commands(engines, [])
     assert default[:3] == ["python", "-m", "sglang.launch_server"]
     assert "--device" not in default and "--max-total-tokens" not in default
-    assert engine_commands(engines, [], device="cuda") == [default]
-    (sized,) = engine_commands(engines, [], max_total_tokens=8)
+    assert engine_commands(engines, [], LaunchOptions(device="cuda")) == [default]
+    (sized,) = engine_commands(engines, [], LaunchOptions(max_total_tokens=8))
     assert sized == [*default, "--max-total-tokens", "8"]
     with pytest.raises(KVMapError, match="device must be one of"):
-        engine_commands(engines, [], device="tpu")
+        LaunchOptions(device="tpu")

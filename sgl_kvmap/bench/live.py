@@ -43,8 +43,10 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple, Protocol
 
 from ..core.errors import KVMapError
@@ -103,13 +105,28 @@ class LiveReplay(NamedTuple):
 
 class LiveClient:
     """Greedy ``/generate`` calls to the servers of one pair, by model name ("small",
-    "large"): ``servers`` maps each to its base URL, e.g. ``http://127.0.0.1:30000``."""
+    "large"): ``servers`` maps each to its base URL, e.g. ``http://127.0.0.1:30000``;
+    ``stats``, where known, each server's KVMapStorage counters file (its ``stats_path``)."""
 
-    def __init__(self, servers: Mapping[str, str], timeout: float = 600.0):
+    def __init__(
+        self,
+        servers: Mapping[str, str],
+        timeout: float = 600.0,
+        stats: Mapping[str, str | Path] | None = None,
+    ):
         import httpx
 
         self.servers = {model: url.rstrip("/") for model, url in servers.items()}
+        self.stats = {model: Path(path) for model, path in (stats or {}).items()}
         self._http = httpx.Client(timeout=httpx.Timeout(timeout, connect=10.0))
+
+    def counters(self, model: str) -> Counter:
+        """The KVMapStorage counters ``model``'s server has written so far (empty without a
+        stats file)."""
+        path = self.stats.get(model)
+        if path is None or not path.exists():
+            return Counter()
+        return Counter(json.loads(path.read_text())["counters"])
 
     def close(self) -> None:
         self._http.close()
@@ -268,11 +285,17 @@ def replay(
     client: LiveClient,
     references: Mapping[int, Reference] | None = None,
     quality_tokens: int = QUALITY_TOKENS,
+    page_size: int = 64,
 ) -> LiveReplay:
     """Replay ``turns`` (arrival order) one at a time; ``models[i]`` serves ``turns[i]``
     (the policy's routing), ``swapped[i]`` says whether it changed model, ``ideal_reuse[i]``
-    is the oracle's reuse. In a translating mode ``references`` (re-prefill's answers, from
-    this function in mode ``reprefill``) give each swapped request its quality."""
+    is the oracle's reuse. A swapped request is answered with ``quality_tokens`` greedy tokens,
+    any other with its first token (its time to first token is what is measured). In a
+    translating mode ``references`` (re-prefill's answers, from this function in mode
+    ``reprefill``) give each swapped request its quality. With the servers' counters
+    (``LiveClient.stats``), their changes during a request split its storage hit into the
+    server's own pages and translated ones (``page_size`` tokens a page) and give its
+    fallbacks."""
     if mode not in MODES:
         raise KVMapError(f"mode must be one of {MODES}, got {mode!r}")
     if not len(turns) == len(models) == len(swapped) == len(ideal_reuse):
@@ -281,8 +304,10 @@ def replay(
         raise KVMapError(f"mode {mode!r} needs the re-prefill replay's answers (references)")
     records, answers = [], {}
     for turn, model, moved, ideal in zip(turns, models, swapped, ideal_reuse):
-        generation = client.generate(model, turn.tokens, turn.output_tokens)
-        record = _record(turn, model, moved, ideal, generation, policy, mode)
+        before = client.counters(model)
+        generation = client.generate(model, turn.tokens, quality_tokens if moved else 1)
+        changes = _changes(before, client.counters(model)) if model in client.stats else None
+        record = _record(turn, model, moved, ideal, generation, policy, mode, changes, page_size)
         if moved and mode == REFERENCE_MODE and generation.output_ids:
             nll = client.answer_nll(model, turn.tokens, generation.output_ids)
             answers[turn.request] = Reference(generation.output_ids, nll)
@@ -295,19 +320,34 @@ def replay(
     return LiveReplay(records, answers)
 
 
-def _record(turn, model, moved, ideal, generation: Generation, policy, mode) -> RequestRecord:
+def _changes(before: Counter, after: Counter) -> Counter:
+    after.subtract(before)
+    return +after
+
+
+def _record(
+    turn, model, moved, ideal, generation: Generation, policy, mode, changes, page_size
+) -> RequestRecord:
     prompt = len(turn.tokens)
     if generation.prompt_tokens != prompt:
         raise LiveServerError(
             f"request {turn.request}: the {model} server counted {generation.prompt_tokens} "
             f"prompt tokens for {prompt} token ids"
         )
-    reused = record_tiers(generation.cached, mode, moved)
+    if changes is None:
+        reused = record_tiers(generation.cached, mode, moved)
+    else:
+        reused = counted_tiers(generation.cached, changes, page_size)
     if sum(reused.values()) > prompt:
         raise LiveServerError(
             f"request {turn.request}: the {model} server reports {generation.cached} cached "
             f"tokens for a {prompt}-token prompt"
         )
+    fallbacks = {
+        name.removeprefix("fallback."): n
+        for name, n in (changes or {}).items()
+        if name.startswith("fallback.")
+    }
     return RequestRecord(
         policy=policy,
         mode=mode,
@@ -320,8 +360,22 @@ def _record(turn, model, moved, ideal, generation: Generation, policy, mode) -> 
         ideal_reuse_tokens=ideal,
         reused=reused,
         computed=prompt - sum(reused.values()),
+        fallbacks=fallbacks,
         ttft_s=generation.ttft_s,
     )
+
+
+def counted_tiers(cached: Mapping[str, int], changes: Mapping[str, int], page: int) -> dict:
+    """The record's tiers from the server's and its KVMapStorage's counters during the request:
+    KVMapStorage hands SGLang the server's own pages first, then translated ones, and SGLang
+    keeps a leading part of them, so what it took from storage beyond the own pages loaded is
+    translated."""
+    storage = cached["storage"]
+    native = min(storage, changes.get("native_pages", 0) * page)
+    reused = dict.fromkeys(TIERS, 0)
+    reused["device"], reused["host"] = cached["device"], cached["host"]
+    reused["storage"], reused["translated"] = native, storage - native
+    return reused
 
 
 def _reference(references: Mapping[int, Reference], request: int) -> Reference:

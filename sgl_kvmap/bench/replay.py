@@ -32,6 +32,7 @@ import torch
 
 from ..core.errors import KVMapError
 from ..models.capture import LoadedModel, run
+from ..sglang.launch import PrefetchDeadline
 from .records import MODES, REFERENCE_MODE, Quality, RequestRecord, agreement
 from .workload import Turn
 
@@ -84,12 +85,17 @@ def replay(
     *,
     quality_tokens: int = 16,
     device_tokens: int = 8192,
-    page_size: int = 8,
+    page_size: int = 64,
+    deadline: PrefetchDeadline = PrefetchDeadline(),
+    prefetch_threshold: int | None = None,
     overrides: dict | None = None,
     on_request: Callable[[RequestRecord], None] | None = None,
     inspect: Callable | None = None,
 ) -> list[RequestRecord]:
     """Serve ``plan``'s turns in ``mode`` on fresh engines over a fresh store; one record each.
+    The engines run as ``sglang-args`` launches them: ``page_size`` tokens a page, SGLang's
+    prefetch stop policy and ``deadline``, its own prefetch threshold (``prefetch_threshold``
+    lowers it, for tests' short prompts).
 
     The reprefill replay stores each swapped request's answer in ``plan.references``; the
     translating modes need it (run reprefill first). ``overrides``: extra StorageSettings for
@@ -106,15 +112,15 @@ def replay(
         engines = {}
         try:
             for model in deployment.models:
-                extra = _extra_config(deployment, model, mode, store, overrides or {})
+                extra = _extra_config(deployment, model, mode, store, deadline, overrides or {})
                 engines[model] = Engine(
                     deployment.models[model],
                     deployment.names[model],
                     extra,
                     page_size=page_size,
                     slots=device_tokens,
-                    prefetch_threshold=page_size,
-                    prefetch_policy="wait_complete",
+                    prefetch_threshold=prefetch_threshold,
+                    prefetch_policy=deadline.policy,
                 )
             records = []
             for i in range(len(plan.turns)):
@@ -131,7 +137,9 @@ def replay(
                 engine.close()
 
 
-def _extra_config(deployment: Deployment, model: str, mode: str, store: str, overrides) -> dict:
+def _extra_config(
+    deployment: Deployment, model: str, mode: str, store: str, deadline, overrides
+) -> dict:
     from ..sglang import PeerSettings, StorageSettings
     from ..sglang.launch import sglang_extra_config
 
@@ -142,7 +150,7 @@ def _extra_config(deployment: Deployment, model: str, mode: str, store: str, ove
         peers=(PeerSettings(deployment.names[peer], str(deployment.packs[peer, model])),),
         **{**MODE_SETTINGS[mode], **overrides},
     )
-    return sglang_extra_config(settings, store)
+    return sglang_extra_config(settings, store, deadline if settings.translate else None)
 
 
 def _serve(engine, plan: ReplayPlan, i: int, mode: str, quality_tokens: int):

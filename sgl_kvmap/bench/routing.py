@@ -26,9 +26,9 @@ from ..core.errors import KVMapError
 from .workload import Turn
 
 MODELS = ("small", "large")
-# the router's threshold at the benchmark's default scale (1/32): 1,024 new tokens at full scale,
+# the router's threshold at the benchmark's default scale (1/8): 1,024 new tokens at full scale,
 # which sends every first turn and the longest follow-ups of the default slice to the large model
-DEFAULT_ROUTER_TOKENS = 32
+DEFAULT_ROUTER_TOKENS = 128
 POLICY_FORMS = (
     "sticky, alternate, swap-P (0 <= P <= 1), escalate-K (K >= 1), router-N (N >= 0 new tokens) "
     "or router-WORD[,WORD...]"

@@ -19,6 +19,7 @@ from pathlib import Path
 from ..core.errors import KVMapError, PackError
 from ..core.files import replacing_folder
 from ..fitting.config import CalibrationConfig, PackRecipe
+from ..sglang.launch import PrefetchDeadline
 from .records import MODES, REFERENCE_MODE, RequestRecord
 from .replay import Deployment, ReplayPlan, replay
 from .routing import DEFAULT_ROUTER_TOKENS, parse_policy, swapped
@@ -47,7 +48,10 @@ class BenchConfig:
     """What one benchmark run replays. policies: routing policy names (``routing``); modes: how
     swapped requests are served (``records.MODES``; reprefill always runs, it is the reference);
     quality_tokens: the greedy answer judged on swapped requests; device_tokens: each engine's
-    device KV pool (its host pool is twice that, SGLang's default ratio)."""
+    device KV pool (its host pool is twice that, SGLang's default ratio); deadline: SGLang's
+    prefetch stop policy and deadline (what ``sglang-args`` sets: measured on the machine by
+    ``launch.measured_deadline``); prefetch_threshold: tokens a prefetch needs (None: SGLang's
+    own, as ``sglang-args`` leaves it)."""
 
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     policies: tuple[str, ...] = BENCH_POLICIES
@@ -55,6 +59,8 @@ class BenchConfig:
     quality_tokens: int = 8
     device_tokens: int = 8192
     seed: int = 0
+    deadline: PrefetchDeadline = field(default_factory=PrefetchDeadline)
+    prefetch_threshold: int | None = None
 
     def __post_init__(self) -> None:
         for name in self.policies:
@@ -102,6 +108,8 @@ def run_bench(
                 quality_tokens=config.quality_tokens,
                 device_tokens=config.device_tokens,
                 page_size=config.workload.page_size,
+                deadline=config.deadline,
+                prefetch_threshold=config.prefetch_threshold,
                 on_request=on_request,
             )
     return records
@@ -112,21 +120,33 @@ def replays_of(turns: list[Turn], config: BenchConfig) -> int:
     return sum(len(turns) * len(modes) for _, modes in plan(turns, config))
 
 
-def header(config: BenchConfig, deployment: Deployment, turns: list[Turn], command: str) -> dict:
-    """The run's facts, printed above its figures; ``command``: the command line that ran it."""
+def header(
+    config: BenchConfig,
+    names: dict[str, str],
+    packs: dict[tuple[str, str], str],
+    turns: list[Turn],
+    command: str,
+    engines: str = "in-process SGLang engines",
+) -> dict:
+    """The run's facts, printed above its figures; ``names`` and ``packs``: the pair's
+    (``Deployment``'s); ``command``: the command line that ran it; ``engines``: what served."""
     workload = config.workload
+    deadline = config.deadline
     return {
         "command": command,
-        "pair": f"{_short(deployment.names['small'])} <-> {_short(deployment.names['large'])}",
-        "models": f"small {deployment.names['small']}, large {deployment.names['large']}",
-        "packs": ", ".join(f"{a} -> {b}: {p}" for (a, b), p in deployment.packs.items()),
+        "pair": f"{_short(names['small'])} <-> {_short(names['large'])}",
+        "models": f"small {names['small']}, large {names['large']}",
+        "packs": ", ".join(f"{a} -> {b}: {p}" for (a, b), p in packs.items()),
         "trace": Path(workload.trace_path).name,
         "scale": f"1/{workload.scale} (blocks of {workload.block_tokens} tokens)",
         "requests": len(turns),
         "sessions": len({t.session for t in turns}),
         "page_size": workload.page_size,
         "date": date.today().isoformat(),
-        "machine": f"{platform.machine()}, {_cores()} cores, CPU (in-process SGLang engines)",
+        "prefetch": f"{deadline.policy}, deadline {deadline.base:g} s + "
+        f"{deadline.per_ki_token:g} s per 1K tokens, threshold "
+        f"{config.prefetch_threshold or 'SGLang default (256 tokens)'}",
+        "machine": f"{platform.machine()}, {_cores()} cores, {engines}",
         "config": _config_json(config),
     }
 
@@ -178,11 +198,25 @@ def load_deployment(
     packs: dict[tuple[str, str], str] | None = None,
     recipe: PackRecipe = BENCH_RECIPE,
 ) -> Deployment:
-    """The two engines' models (default: the embedded Qwen2.5-Coder 0.5B/1.5B pair, fetched
-    and converted once) and a pack each way: those given, else the registry's whatever their
-    recipe (local cache, then the Hub), else built here with ``recipe`` once and cached."""
-    from ..fitting.default_pair import LARGE, SMALL, ensure_model
+    """The two engines' models (loaded) and packs, as ``pair_and_packs`` finds them."""
     from ..models.capture import load_model
+
+    names, chosen = pair_and_packs(small, large, packs, recipe)
+    models = {role: load_model(name) for role, name in names.items()}
+    return Deployment(models, names, chosen)
+
+
+def pair_and_packs(
+    small: str | None = None,
+    large: str | None = None,
+    packs: dict[tuple[str, str], str] | None = None,
+    recipe: PackRecipe = BENCH_RECIPE,
+) -> tuple[dict[str, str], dict[tuple[str, str], str]]:
+    """The two engines' models, {"small", "large"}: folders or Hub ids (default: the embedded
+    Qwen2.5-Coder 0.5B/1.5B pair, fetched and converted once), and a pack each way: those
+    given, else the registry's whatever their recipe (local cache, then the Hub), else built
+    here with ``recipe`` once and cached."""
+    from ..fitting.default_pair import LARGE, SMALL, ensure_model
 
     names = {
         "small": str(small or ensure_model(SMALL)),
@@ -193,8 +227,7 @@ def load_deployment(
         up, down = _registry_packs(names["small"], names["large"], recipe)
         chosen.setdefault(("small", "large"), str(up))
         chosen.setdefault(("large", "small"), str(down))
-    models = {role: load_model(name) for role, name in names.items()}
-    return Deployment(models, names, chosen)
+    return names, chosen
 
 
 def _registry_packs(small: str, large: str, recipe: PackRecipe, **options) -> tuple[Path, Path]:

@@ -76,12 +76,12 @@ class WorkloadConfig:
     """Which trace, at what scale, and which slice of it (see the module docstring)."""
 
     trace: str | None = None  # None: DEFAULT_TRACE (the bundled Mooncake trace)
-    scale: int = 32
+    scale: int = 8
     sessions: int = 10
     min_turns: int = 2
     max_turns: int = 4
     max_prompt_tokens: int | None = 768  # after scaling; None: no cap
-    page_size: int = 8
+    page_size: int = 64  # sglang-args' --page-size; blocks of 512 / scale tokens must fill pages
 
     def __post_init__(self):
         for name in ("scale", "sessions", "min_turns", "max_turns", "page_size"):

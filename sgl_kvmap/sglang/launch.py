@@ -31,6 +31,7 @@ DEVICES = ("cuda", "cpu")  # --device: SGLang's GPU engine, or its CPU engine
 CPU_ENVIRONMENT = {"SGLANG_USE_CPU_ENGINE": "1"}
 CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native")
 STORE_PATH = "/tmp/sgl-kvmap-hicache"  # the file store's folder
+STATS_FOLDER = "kvmap-stats"  # each engine's counters, in the store's folder
 PAGE_SIZE = 64  # every engine's --page-size (tokens per page)
 
 
@@ -88,37 +89,57 @@ def prefetch_deadline(
     )
 
 
+@dataclass(frozen=True)
+class LaunchOptions:
+    """What the engines of one deployment share: the inner ``store`` and its folder
+    (``store_path``), the page size, SGLang's engine (``device``: cuda, or its CPU engine),
+    the KV pool's size in tokens (``max_total_tokens``; SGLang sizes it from free memory
+    without one), and KVMapStorage's settings for engines that translate (``tail_pages``,
+    ``concurrent_translations``, ``audit_translations``: ``StorageSettings``). Every engine
+    keeps its counters in ``stats_path`` (a folder beside the store's pages)."""
+
+    store: str = StorageSettings.inner_backend
+    store_path: str = STORE_PATH
+    page_size: int = PAGE_SIZE
+    device: str = "cuda"
+    max_total_tokens: int | None = None
+    tail_pages: int = StorageSettings.tail_pages
+    concurrent_translations: int = StorageSettings.concurrent_translations
+    audit_translations: bool = False
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise KVMapError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.store not in INNER_BACKENDS:
+            raise KVMapError(
+                f"store {self.store!r} is not supported by sgl-kvmap yet (only "
+                f"{', '.join(INNER_BACKENDS)}): Mooncake and 3FS need their zero-copy v1 calls "
+                "wired and tested first"
+            )
+
+    @property
+    def stats_path(self) -> str:
+        return str(Path(self.store_path) / STATS_FOLDER)
+
+
 def engine_commands(
     engines: list[EngineSpec],
     packs: list[str | Path],
-    store: str = StorageSettings.inner_backend,
-    store_path: str = STORE_PATH,
-    page_size: int = PAGE_SIZE,
+    options: LaunchOptions = LaunchOptions(),
     deadline: PrefetchDeadline | None = None,
-    device: str = "cuda",
-    max_total_tokens: int | None = None,
 ) -> list[list[str]]:
     """The command of every engine (same order), as shell words: ``python -m
     sglang.launch_server ...``, preceded by ``NAME=value`` environment assignments for SGLang's
-    CPU engine (``device`` "cpu"), so ``shell_line`` prints a line a shell runs as it is.
-    ``deadline``: the prefetch stop policy of engines that translate (SGLang's default without
-    one); ``max_total_tokens``: the KV pool's size in tokens (SGLang sizes it from free memory
+    CPU engine (``options.device`` "cpu"), so ``shell_line`` prints a line a shell runs as it
+    is. ``deadline``: the prefetch stop policy of engines that translate (SGLang's default
     without one)."""
-    if device not in DEVICES:
-        raise KVMapError(f"device must be one of {DEVICES}, got {device!r}")
-    if store not in INNER_BACKENDS:
-        raise KVMapError(
-            f"store {store!r} is not supported by sgl-kvmap yet (only "
-            f"{', '.join(INNER_BACKENDS)}): Mooncake and 3FS need their zero-copy v1 calls "
-            "wired and tested first"
-        )
     peers = peers_of(engines, packs)
     deadline = deadline or PrefetchDeadline()
-    sizing = ["--max-total-tokens", str(max_total_tokens)] if max_total_tokens else []
-    env, flags = _device_words(device)
+    size = options.max_total_tokens
+    sizing = ["--max-total-tokens", str(size)] if size else []
+    env, flags = _device_words(options.device)
     return [
-        [*env, *_command(e, peers[e.name], store, store_path, page_size, deadline), *flags, *sizing]
-        for e in engines
+        [*env, *_command(e, peers[e.name], options, deadline), *flags, *sizing] for e in engines
     ]
 
 
@@ -158,16 +179,20 @@ def sglang_extra_config(
     return settings.to_extra_config(**keys, **(deadline.sglang_keys() if deadline else {}))
 
 
-def _command(engine, peers, store, store_path, page_size, deadline) -> list[str]:
+def _command(engine, peers, options: LaunchOptions, deadline) -> list[str]:
     settings = StorageSettings(
-        inner_backend=store,
+        inner_backend=options.store,
         translate=bool(peers),
+        tail_pages=options.tail_pages,
+        concurrent_translations=options.concurrent_translations,
         interface_v1=True,
         model_path=engine.model_path,
+        stats_path=options.stats_path,
+        audit_translations=options.audit_translations and bool(peers),
         peers=tuple(peers),
     )
     deadline = deadline if peers else None
-    extra = sglang_extra_config(settings, store_path, deadline)
+    extra = sglang_extra_config(settings, options.store_path, deadline)
     policy = ["--hicache-storage-prefetch-policy", deadline.policy] if deadline else []
     # one flag and its value a line, as on a command line
     return [
@@ -176,7 +201,7 @@ def _command(engine, peers, store, store_path, page_size, deadline) -> list[str]
         "--served-model-name", engine.name,
         "--port", str(engine.port),
         "--tp-size", str(engine.tp_size),
-        "--page-size", str(page_size),
+        "--page-size", str(options.page_size),
         "--enable-hierarchical-cache",
         "--hicache-mem-layout", "page_first",
         "--hicache-write-policy", "write_through",
@@ -196,18 +221,20 @@ def measured_deadline(
     policy: str = PrefetchDeadline.policy,
     lengths: tuple[int, int] = (1024, 4096),
     concurrent: int = StorageSettings.concurrent_translations,
+    device: str = "cuda",
 ) -> tuple[PrefetchDeadline, list[str]]:
     """The prefetch deadline for the slowest pack's translation, timed on this machine as an
     engine runs it (one torch thread; on the GPU when there is one) with ``concurrent`` swaps
     translated at once (an engine's ``concurrent_translations``: a swap may arrive while the
     others are translated, and must still land), and a line per pack saying what was
-    measured."""
+    measured. ``device``: the engines' (``LaunchOptions.device``); a cuda engine translates on
+    its GPU when this machine has one."""
     import torch
 
     from ..core.mapper import KVMapper
     from .translation import hand_over_seconds
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = "cuda" if device == "cuda" and torch.cuda.is_available() else "cpu"
     deadlines, lines = [], []
     for pack in packs:
         mapper = KVMapper.from_pretrained(pack).to(device)
