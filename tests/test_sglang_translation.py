@@ -53,3 +53,22 @@ def test_the_hand_over_is_timed_with_as_many_swaps_at_once_as_an_engine_runs(
     assert translation.hand_over_seconds(mapper, 64, page_size=8, concurrent=3) > 0
     assert len(calls) == 3 * 3  # the warm-up and two timed rounds
     assert len(set(calls)) == 3
+
+
+def test_workers_translating_at_once_from_a_fresh_process(tiny_pair, tmp_path):
+    """The first translations of a process, four at once on worker threads (an engine's first
+    swaps): the rotary tables they build, and transformers' lazy imports behind them, are
+    built once, under a lock (racing them failed with an ImportError)."""
+    import subprocess
+    import sys
+
+    pack = fit_tiny_mapper(*tiny_pair).save_pretrained(tmp_path / "pack")
+    code = (
+        "from sgl_kvmap.core.mapper import KVMapper\n"
+        "from sgl_kvmap.sglang.translation import hand_over_seconds\n"
+        f"mapper = KVMapper.from_pretrained({str(pack)!r})\n"
+        "print(hand_over_seconds(mapper, 64, page_size=8, concurrent=4))\n"
+    )
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert float(ran.stdout.split()[-1]) > 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -167,13 +168,16 @@ def check_models(mapper, source: ModelSpec, target: ModelSpec) -> None:
 
 
 _MODULES: dict[str, torch.nn.Module] = {}  # spec fingerprint -> its rotary module
+_MODULES_LOCK = threading.Lock()  # translation workers build them from several threads
 
 
 def tables_for_spec(spec: ModelSpec, positions: torch.Tensor) -> RotaryTables:
     """Rotary tables of the model described by a ModelSpec at ``positions: [tokens]``."""
-    if spec.fingerprint not in _MODULES:
-        _MODULES[spec.fingerprint] = rotary_module(spec.hf_config())
-    cos, sin = rotary_tables(_MODULES[spec.fingerprint], positions.to("cpu"))
+    with _MODULES_LOCK:  # transformers' lazy imports are not safe to race either
+        if spec.fingerprint not in _MODULES:
+            _MODULES[spec.fingerprint] = rotary_module(spec.hf_config())
+        module = _MODULES[spec.fingerprint]
+    cos, sin = rotary_tables(module, positions.to("cpu"))
     return RotaryTables(cos.to(positions.device), sin.to(positions.device))
 
 
