@@ -86,6 +86,7 @@ class Deployment:
         for pack in packs:
             args += ["--pack", pair["packs"][pack]]
         args += ["--store-path", str(self.store), "--max-total-tokens", str(MAX_TOTAL_TOKENS)]
+        args += ["--audit-translations"]
         self.lines = sglang_args_lines(
             [*args, "--port", str(port)], program=sgl_kvmap_program(), env=ENVIRONMENT
         )
@@ -209,6 +210,71 @@ def test_a_session_served_by_a_is_translated_for_b(live, swapped_session):
     assert expected == 5 * PAGE
     assert generation.cached == {"device": 0, "host": 0, "storage": expected}
     assert generation.prompt_tokens == len(second) and len(generation.output_ids) > 0
+
+
+def store_reader(store: Path, served_name: str):
+    """SGLang's own ``file`` store, read as the engine serving ``served_name`` (rank 0 of 1)
+    reads its pages: HiCacheFile over the same folder, eviction off."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
+
+    config = HiCacheStorageConfig(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name=served_name,
+        extra_config={"file_storage_path": str(store), "max_size": 0, "min_free_space": 0},
+    )
+    return HiCacheFile(config)
+
+
+def test_bs_kv_for_the_translated_pages_is_the_translation_of_as(
+    live, swapped_session, served_pair
+):
+    """Read back through the store: the pages B received translated (its audit copies,
+    ``sglang-args --audit-translations``) equal the pack's translation of A's stored pages at
+    the positions A's records give, computed here as a worker computes it (the products in
+    bfloat16 or float32, whichever the server's CPU multiplies faster: both are tried). B's
+    pages use A's KV dtype (both checkpoints are float32, which SGLang's CPU engine keeps as
+    float16 KV)."""
+    import torch
+
+    from sgl_kvmap.core.mapper import KVMapper
+    from sgl_kvmap.kernels import PagedKV, translate_pages
+    from sgl_kvmap.sglang.pages import PageFormat
+    from sgl_kvmap.sglang.records import PageRecord, empty_record, record_key
+
+    history, second, generation, expected = swapped_session
+    keys = page_hashes(second)[: expected // PAGE]
+    sender, receiver = store_reader(live.store, NAMES["a"]), store_reader(live.store, NAMES["b"])
+    records = [PageRecord.from_tensor(sender.get(record_key(k), empty_record())) for k in keys]
+    assert [r.index for r in records] == list(range(len(keys)))
+    page = records[0].page
+    source = torch.cat([page.to_tokens(sender.get(k, page.empty_page())) for k in keys], dim=1)
+    mapper = KVMapper.from_pretrained(served_pair["packs"][0, 1])
+    spec = mapper.target
+    shape = (2, source.shape[1], spec.num_layers, spec.num_kv_heads, spec.head_dim)
+    own = PageFormat("page_first", PAGE, *shape[2:], page.dtype)
+    got = torch.cat(
+        [own.to_tokens(receiver.get(k + ".translated", own.empty_page())) for k in keys], 1
+    )
+    wants = []
+    for matmul_dtype in (torch.bfloat16, torch.float32):
+        want = torch.empty(shape, dtype=page.dtype)
+        slots = torch.arange(source.shape[1])
+        pools = PagedKV.token_major(source), PagedKV.token_major(want)
+        positions = slots + records[0].first_token
+        translate_pages(
+            mapper, pools[0], slots, pools[1], slots, positions, matmul_dtype=matmul_dtype
+        )
+        wants.append(want)
+    assert any(torch.equal(got, want) for want in wants)
+    assert not torch.equal(wants[0], torch.zeros_like(wants[0]))
 
 
 def test_concurrent_sessions_on_both_servers(live):
