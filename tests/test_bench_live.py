@@ -356,3 +356,42 @@ def test_each_mode_launches_the_servers_it_names(served_pair, tmp_path):
             if tail is not None:
                 assert settings.tail_pages == tail and extra["prefetch_timeout_base"] == 2.0
                 assert args.hicache_storage_prefetch_policy == "timeout"
+
+
+def test_settle_waits_until_the_servers_store_writes_stop(tmp_path):
+    """``LiveClient.settle``: the writer's counters of written pages change for a while after a
+    request; the next request goes out once they have not changed for SETTLE_S."""
+    from sgl_kvmap.bench import live
+
+    stats = tmp_path / "small_0_1.json"
+    stats.write_text(json.dumps({"counters": {"stored_pages": 1}}))
+
+    def writes():
+        for n in range(2, 6):
+            time.sleep(0.2)
+            stats.write_text(json.dumps({"counters": {"stored_pages": n}}))
+
+    writer = threading.Thread(target=writes)
+    with LiveClient({"small": "http://127.0.0.1:9"}, stats={"small": stats}) as client:
+        started = time.monotonic()
+        writer.start()
+        client.settle("small")
+        waited = time.monotonic() - started
+        writer.join()
+        assert client.counters("small")["stored_pages"] == 5
+    assert 0.8 + live.SETTLE_S - 0.1 <= waited < live.SETTLE_MAX_S
+
+
+def test_storage_hits_split_by_the_servers_own_counters():
+    """What SGLang took from storage beyond the pages KVMapStorage loaded as the server's own
+    (its counter of native pages, 64 tokens each) is translated."""
+    from sgl_kvmap.bench.live import counted_tiers
+
+    cached = {"device": 64, "host": 0, "storage": 320}
+    assert counted_tiers(cached, {"native_pages": 2}, 64) == {
+        "device": 64,
+        "host": 0,
+        "storage": 128,
+        "translated": 192,
+    }
+    assert counted_tiers(cached, {}, 64)["translated"] == 320

@@ -1,8 +1,10 @@
-"""The benchmark's replay against two live SGLang servers (the GPU variant of ``sgl-kvmap bench``).
+"""The benchmark's replay against two live SGLang servers (``sgl-kvmap bench --live``).
 
 Each request of a trace goes, as token ids, to the server its routing chose ("small" or
-"large"), through SGLang's native ``/generate`` endpoint: greedy, streamed, ``max_new_tokens``
-the turn's output length. What is measured, and where it comes from (SGLang 0.5.23):
+"large"), through SGLang's native ``/generate`` endpoint: greedy, streamed; a swapped request
+is answered with ``quality_tokens`` tokens (its quality is judged on them), any other with its
+first token (the in-process replay computes the same). What is measured, and where it comes
+from (SGLang 0.5.23):
 
 - **Time to first token**: from sending the request to the first streamed chunk that holds an
   output token (SGLang streams the first token at once whatever its stream interval,
@@ -13,12 +15,13 @@ the turn's output length. What is measured, and where it comes from (SGLang 0.5.
   token was cached (``managers/tokenizer_manager.py:2569-2576``; no server flag and no request
   field: ``--enable-cache-report`` and ``return_cached_tokens_details`` are for the OpenAI
   endpoints only). ``device + host + storage`` is the matched prefix
-  (``managers/schedule_batch.py:231-265``). A live server cannot tell its own storage pages
-  from pages KVMapStorage translated from a peer, so this module counts the storage hits of a
-  **swapped request in a translating mode** as ``translated``, and every other storage hit
-  (re-prefill mode, or a request that stayed on its model) as ``storage``. ``computed`` is the
-  prompt minus the cached tokens. ``fallbacks`` stays empty: the reasons live in the server's
-  ``KVMapStorage.counters``, which HTTP does not expose.
+  (``managers/schedule_batch.py:231-265``). SGLang does not tell a server's own storage pages
+  from pages KVMapStorage translated from a peer; KVMapStorage's counters do (its stats file,
+  ``LiveClient.stats``): the pages of its own it loaded during the request come first, the
+  rest of the storage hit is ``translated`` (``counted_tiers``), and the request's
+  ``fallbacks`` are the reasons it counted meanwhile. Without a stats file, the storage hits
+  of a swapped request in a translating mode count as translated (``record_tiers``).
+  ``computed`` is the prompt minus the cached tokens.
 - **Quality** (swapped requests in a translating mode), against the re-prefill replay's answer
   to the same request: the share of its first ``quality_tokens`` greedy tokens this mode's
   answer reproduces before it first departs from it (``records.agreement``), and the
@@ -32,8 +35,10 @@ the turn's output length. What is measured, and where it comes from (SGLang 0.5.
   re-prefill replay measures the same NLL on its own cache (``reference_nll``). These requests
   add the prompt and answer to that server's cache, as serving the answer would.
 
-Requests are replayed one at a time, in arrival order, each after the previous one finished:
-no queueing and no batching across requests is modelled, and ``arrival_s`` is not waited for.
+Requests are replayed one at a time, in arrival order, each after the previous one finished
+and its server's writes to the store settled (``LiveClient.settle``; the in-process engines
+wait for the same backups): no queueing and no batching across requests is modelled, and
+``arrival_s`` is not waited for.
 The stream must be SGLang's default (cumulative ``output_ids``); a server started with
 ``--incremental-streaming-output`` also works (the ids are then joined).
 """
@@ -61,6 +66,8 @@ from .records import (
 )
 
 QUALITY_TOKENS = 32  # answer tokens compared for greedy agreement
+SETTLE_S = 0.5  # a server whose store writes paused this long has written a request's pages
+SETTLE_MAX_S = 30.0
 SERVER_TIERS = ("device", "host", "storage")  # the keys of SGLang's cached_tokens_details
 
 
@@ -119,6 +126,25 @@ class LiveClient:
         self.servers = {model: url.rstrip("/") for model, url in servers.items()}
         self.stats = {model: Path(path) for model, path in (stats or {}).items()}
         self._http = httpx.Client(timeout=httpx.Timeout(timeout, connect=10.0))
+
+    def settle(self, model: str) -> None:
+        """Wait until ``model``'s server has stopped writing to the store (its KVMapStorage
+        counters of written and withheld pages unchanged for ``SETTLE_S``, at most
+        ``SETTLE_MAX_S``): the pages of the request it just served are then in the store, as
+        they are when a session's next turn arrives after a user's think time."""
+        if model not in self.stats:
+            return
+        written = ("stored_pages", "pages_withheld")
+        last, since = None, time.monotonic()
+        deadline = since + SETTLE_MAX_S
+        while time.monotonic() < deadline:
+            counters = self.counters(model)
+            now = tuple(counters[name] for name in written)
+            if now != last:
+                last, since = now, time.monotonic()
+            elif time.monotonic() - since >= SETTLE_S:
+                return
+            time.sleep(0.05)
 
     def counters(self, model: str) -> Counter:
         """The KVMapStorage counters ``model``'s server has written so far (empty without a
@@ -302,8 +328,11 @@ def replay(
         raise KVMapError("turns, models, swapped and ideal_reuse must have one entry per turn")
     if mode in TRANSLATING_MODES and references is None:
         raise KVMapError(f"mode {mode!r} needs the re-prefill replay's answers (references)")
-    records, answers = [], {}
+    records, answers, previous = [], {}, None
     for turn, model, moved, ideal in zip(turns, models, swapped, ideal_reuse):
+        if previous is not None:
+            client.settle(previous)
+        previous = model
         before = client.counters(model)
         generation = client.generate(model, turn.tokens, quality_tokens if moved else 1)
         changes = _changes(before, client.counters(model)) if model in client.stats else None

@@ -528,6 +528,7 @@ class KVMapStorage(HiCacheStorage):
         stored = bool(self.inner.batch_set(list(keys[:keep]), pages[:keep])) if keep else True
         if stored and keep and self.identity is not None:
             self._write_records(prefix, keys[:keep], crcs[:keep])
+        self._count("stored_pages", keep if stored else 0)
         self._publish()
         return [stored] * keep + [True] * (len(keys) - keep)
 
