@@ -865,3 +865,17 @@ def test_the_counters_reach_the_stats_file_and_audited_pages_equal_the_translati
             torch.testing.assert_close(
                 got[1, :, layer], want.values[layer][i * PAGE : (i + 1) * PAGE], rtol=0, atol=0
             )
+
+
+def test_a_hit_below_sglangs_prefetch_threshold_starts_no_translation(cluster):
+    """SGLang revokes a storage hit below its prefetch threshold: a peer run that short is not
+    translated at all (no job holds a worker for pages SGLang will not take)."""
+    prompt = tokens(12 * PAGE + 1, seed=52)
+    cluster.engine(0, translate=False).serve(prompt[: 3 * PAGE + 1])
+    name, extra = cluster.deployment["names"][1], cluster.extra(1)
+    b = Engine(cluster.deployment["models"][1], name, extra,
+               prefetch_threshold=8 * PAGE, prefetch_policy="wait_complete")  # fmt: skip
+    cluster.engines.append(b)
+    assert b.serve(prompt).reused == 0
+    assert b.storage.jobs.busy() == 0 and not b.storage._staged
+    assert b.storage.counters["translated_pages_delivered"] == 0

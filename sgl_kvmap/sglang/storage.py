@@ -348,13 +348,17 @@ class KVMapStorage(HiCacheStorage):
         if self.provenance is not None and _prefix(extra_info):
             self.provenance.seen(_prefix(extra_info))
         parent = keys[native - 1] if native else None
-        promised = native + self._promise(keys[native:], parent, requested=len(keys))
+        promised = native + self._promise(keys[native:], parent, requested=len(keys), held=native)
         self._publish()
         return promised
 
-    def _promise(self, keys: list[str], parent: str | None, requested: int) -> int:
+    def _promise(
+        self, keys: list[str], parent: str | None, requested: int, held: int | None = None
+    ) -> int:
         """Start translating the longest run of ``keys`` a peer holds (``requested``: pages in
-        the whole prefetch, which sets SGLang's deadline); how many pages it covers."""
+        the whole prefetch, which sets SGLang's deadline); how many pages it covers. For a hit
+        query, ``held`` is the pages before ``keys`` the prefetch loads natively, and a hit
+        below SGLang's prefetch threshold, which SGLang would revoke, starts nothing."""
         with self._lock:
             job = self._staged.get(keys[0])
         if job is not None:  # a hit query repeated for a run already being translated
@@ -362,7 +366,8 @@ class KVMapStorage(HiCacheStorage):
         runs = [(peer, self._run(peer, keys, parent)) for peer in self.peers]
         peer, records = max(runs, key=lambda run: len(run[1]))
         records = records[: max(0, len(records) - self.settings.tail_pages)]
-        if not records:
+        below = held is not None and (held + len(records)) * self.page.page_size < self._timeouts[3]
+        if not records or below:
             return 0
         run = keys[: len(records)]
         job = self.jobs.submit(run, self._deadline(requested), self._work(peer, records))
@@ -409,7 +414,7 @@ class KVMapStorage(HiCacheStorage):
     def _deadline(self, requested_pages: int) -> float:
         """When a job's transfer stops waiting for it: a share of SGLang's prefetch deadline
         for ``requested_pages`` pages (no limit under SGLang's wait_complete policy)."""
-        policy, base, per_ki_token = self._timeouts
+        policy, base, per_ki_token, _ = self._timeouts
         if policy == "wait_complete":
             return math.inf
         seconds = base + per_ki_token * requested_pages * self.page.page_size / 1024
@@ -689,17 +694,19 @@ def _prefix_keys_passed(memory) -> bool:
     return HybridCacheController.parse_storage_backend_extra_config(extra)[4]
 
 
-def _prefetch_timeouts() -> tuple[str, float, float]:
-    """SGLang's prefetch stop policy and its deadline's two terms, read with SGLang's own
-    parser from the server's arguments (its defaults outside a server)."""
+def _prefetch_timeouts() -> tuple[str, float, float, int]:
+    """SGLang's prefetch stop policy, its deadline's two terms and its prefetch threshold
+    (tokens), read with SGLang's own parser from the server's arguments (its defaults outside
+    a server)."""
     memory = _memory_config()
     if memory is None:
-        return "timeout", 1.0, 0.25
+        return "timeout", 1.0, 0.25, 256
     from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
 
     extra = memory.hicache_storage_backend_extra_config
-    _, _, base, per_ki_token, _ = HybridCacheController.parse_storage_backend_extra_config(extra)
-    return memory.hicache_storage_prefetch_policy, base, per_ki_token
+    parsed = HybridCacheController.parse_storage_backend_extra_config(extra)
+    _, threshold, base, per_ki_token, _ = parsed
+    return memory.hicache_storage_prefetch_policy, base, per_ki_token, threshold
 
 
 def _prefix(extra_info) -> list[str] | None:
