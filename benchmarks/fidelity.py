@@ -8,7 +8,7 @@ evaluates them on held-out text (never calibration text, never used to choose se
 the target's own cache, the source alone and no prefix, at every tail length in --tails, and,
 with --repair, the hand-off that also recomputes that many anchors picked by a source draft of
 that many tokens (``transfer.Repair``, over the main tail; with SWEEPS, a parallel draft).
-Calibration statistics are cached per token budget under $SGL_KVMAP_CACHE/stats and grown
+Calibration statistics are cached per token budget under $KVMAP_CACHE/stats and grown
 from the largest smaller budget, so a new budget only captures the windows it adds.
 
 Writes benchmarks/results/fidelity.json (all rows, newest per config and direction win),

