@@ -1,6 +1,8 @@
 """The benchmark's workload: sessions derived from a trace, prompts of held-out text, the oracle."""
 
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -346,3 +348,115 @@ def test_a_file_of_neither_shape_is_refused_with_what_was_expected(tmp_path, con
 def test_a_missing_trace_is_refused(tmp_path):
     with pytest.raises(KVMapError, match="does not exist"):
         load_workload(WorkloadConfig(trace=str(tmp_path / "nope.jsonl")), code_points)
+
+
+def mooncake_line(**fields):
+    row = request(0, [0, 1])
+    row.update(fields)
+    return json.dumps(row) + "\n"
+
+
+@pytest.mark.parametrize(
+    ("line", "named"),
+    [
+        (mooncake_line(input_length=0), "input_length must be at least 1"),
+        (mooncake_line(input_length=-5), "input_length must be at least 1"),
+        (mooncake_line(output_length=0), "output_length must be at least 1"),
+        (mooncake_line(hash_ids="123"), "hash_ids must be a non-empty list"),
+        (mooncake_line(hash_ids=[0, True]), "a hash id must be a whole number"),
+        (mooncake_line(hash_ids=[0, -1]), "a hash id must be at least 0"),
+        (mooncake_line(input_length=True), "input_length must be a whole number"),
+        (mooncake_line(input_length=10.5), "input_length must be a whole number"),
+        (mooncake_line(input_length="10"), "input_length must be a whole number"),
+        (mooncake_line(timestamp="soon"), "timestamp must be a number"),
+        (mooncake_line(timestamp=-1), "timestamp must be a number"),
+        (
+            '{"timestamp": 1e400, "input_length": 10, "output_length": 1, "hash_ids": [0]}\n',
+            "1e400 is out of range",
+        ),
+        (
+            '{"timestamp": NaN, "input_length": 10, "output_length": 1, "hash_ids": [0]}\n',
+            "NaN is not a number",
+        ),
+        ("[" * 100_000 + "]" * 100_000 + "\n", "nested too deeply"),
+        ('"just a string"\n', "not a JSON object"),
+    ],
+)
+def test_a_mooncake_line_with_bad_values_is_refused_naming_the_field(tmp_path, line, named):
+    """Before: lengths <= 0 became silent one-token prompts, "123" was read as blocks 1, 2, 3,
+    booleans and fractions were truncated, 1e400 and deep nesting raised tracebacks."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text(mooncake_line() + line)
+    with pytest.raises(KVMapError, match=f"line 2 is not a trace request: {named}") as error:
+        load_workload(WorkloadConfig(trace=str(path)), code_points)
+    assert "\n" not in str(error.value)
+
+
+def test_whole_floats_are_read_as_the_integers_they_are(tmp_path, held_out, monkeypatch):
+    from sgl_kvmap.bench import workload
+
+    monkeypatch.setattr(workload, "held_out_files", lambda: held_out)
+    path = tmp_path / "trace.jsonl"
+    rows = [request(0.0, [0, 1]), {**request(5, [0, 1, 2]), "input_length": 1536.0}]
+    write_jsonl(path, rows)
+    turns = load_workload(WorkloadConfig(trace=str(path), sessions=1, scale=8), code_points)
+    assert [len(t.tokens) for t in turns] == [128, 192]
+
+
+def test_a_trace_that_is_not_utf8_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(mooncake_line().encode() + b'{"note": "caf\xe9"}\n')
+    with pytest.raises(KVMapError, match="is not UTF-8 text") as error:
+        load_workload(WorkloadConfig(trace=str(path)), code_points)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "turn",
+    [
+        {"messages": [{"role": 1, "content": "hi"}]},
+        {"messages": [{"role": "user", "content": {"text": "hi"}}]},
+        {"messages": [{"role": "user", "content": [{"text": 5}]}]},
+        {"messages": [{"role": "user", "content": "hi"}], "output_tokens": "many"},
+        {"messages": [{"role": "user", "content": "hi"}], "output_tokens": [3]},
+        {"messages": [{"role": "user", "content": "hi"}], "completion_tokens": -3},
+    ],
+)
+def test_an_agentic_turn_of_wrong_types_is_refused_in_one_line(tmp_path, turn):
+    """Before: wrong types inside a turn raised TypeError/ValueError tracebacks mid-build."""
+    path = tmp_path / "agentic.json"
+    path.write_text(json.dumps({"conversations": [[turn, turn]]}))
+    with pytest.raises(KVMapError, match="conversations") as error:
+        load_workload(WorkloadConfig(trace=str(path)), code_points)
+    assert "\n" not in str(error.value)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    field=st.sampled_from(["timestamp", "input_length", "output_length", "hash_ids", "hash_id"]),
+    value=json_values,
+)
+def test_fuzz_any_value_in_any_mooncake_field_gives_a_workload_or_one_line(field, value):
+    """Property: a trace with one field (or one hash id) replaced by any JSON value loads or is
+    refused with one KVMapError line; nothing else escapes."""
+    rows = [request(0, [0, 1]), request(5, [0, 1, 2])]
+    if field == "hash_id":
+        rows[1]["hash_ids"][1] = value
+    else:
+        rows[1][field] = value
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "trace.jsonl"
+        path.write_text("".join(json.dumps(row, allow_nan=True) + "\n" for row in rows))
+        try:
+            load_workload(WorkloadConfig(trace=str(path), sessions=1, scale=8), code_points)
+        except KVMapError as error:
+            assert "\n" not in str(error)

@@ -51,6 +51,8 @@ TRACE_BLOCK_TOKENS = 512  # the Mooncake trace's prefix block
 DEFAULT_TRACE = Path(__file__).with_name("data") / "mooncake_conversation_trace.jsonl"
 SESSION_MIN_SHARED_BLOCKS = 2  # block 0 opens every request: sharing it says nothing
 DEFAULT_AGENTIC_OUTPUT_TOKENS = 220  # sglang.benchmark.datasets.agentic_trace's default
+AGENTIC_OUTPUT_KEYS = ("output_tokens", "completion_tokens")
+MOONCAKE_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
 EXPECTED_SHAPES = (
     "JSON lines with timestamp, input_length, output_length and hash_ids (the Mooncake trace) "
     'or a JSON object with "conversations" (SGLang\'s agentic trace)'
@@ -143,7 +145,50 @@ def held_out_files() -> list[Path]:
 def read_trace_text(path: Path) -> str:
     if not path.is_file():
         raise KVMapError(f"trace {path} does not exist; expected {EXPECTED_SHAPES}")
-    return path.read_text(encoding="utf-8")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise KVMapError(
+            f"trace {path} is not UTF-8 text (byte {error.start}); expected {EXPECTED_SHAPES}"
+        ) from None
+
+
+def parse_json(text: str):
+    """``json.loads``, refusing what JSON allows but a trace never holds: NaN, infinities
+    (``1e400``) and nesting too deep to read. Raises ValueError."""
+    try:
+        return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def shown(value) -> str:
+    """``repr(value)``, cut to 60 characters for an error line."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a number a trace can hold")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{text} is out of range")
+    return value
+
+
+def whole_number(value, what: str, minimum: int) -> int:
+    """``value`` if it is an integer (a JSON integer, or a float with no fraction) of at least
+    ``minimum``; booleans, strings and fractions are refused. Raises ValueError."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{what} must be a whole number, not {shown(value)}")
+    if value < minimum:
+        raise ValueError(f"{what} must be at least {minimum}, not {value}")
+    return value
 
 
 # ---- held-out text ----------------------------------------------------------------------------
@@ -211,20 +256,29 @@ def mooncake_requests(text: str, path: Path) -> list[MooncakeRequest]:
 
 def _mooncake_request(line: str, path: Path, number: int) -> MooncakeRequest:
     try:
-        row = json.loads(line)
+        row = parse_json(line)
+        if not isinstance(row, dict):
+            raise ValueError("not a JSON object")
+        missing = [key for key in MOONCAKE_KEYS if key not in row]
+        if missing:
+            raise ValueError(f"no {', '.join(missing)}")
+        timestamp = row["timestamp"]
+        if isinstance(timestamp, bool) or not isinstance(timestamp, (int, float)) or timestamp < 0:
+            raise ValueError(f"timestamp must be a number of ms >= 0, not {shown(timestamp)}")
+        hash_ids = row["hash_ids"]
+        if not isinstance(hash_ids, list) or not hash_ids:
+            raise ValueError(f"hash_ids must be a non-empty list of ids, not {shown(hash_ids)}")
         request = MooncakeRequest(
-            float(row["timestamp"]),
-            int(row["input_length"]),
-            int(row["output_length"]),
-            tuple(int(b) for b in row["hash_ids"]),
+            float(timestamp),
+            whole_number(row["input_length"], "input_length", minimum=1),
+            whole_number(row["output_length"], "output_length", minimum=1),
+            tuple(whole_number(b, "a hash id", minimum=0) for b in hash_ids),
         )
-    except (ValueError, TypeError, KeyError) as error:
+    except ValueError as error:
         raise KVMapError(
-            f"trace {path} line {number} is not a trace request ({error!r}); "
+            f"trace {path} line {number} is not a trace request: {error}; "
             f"expected {EXPECTED_SHAPES}"
         ) from None
-    if not request.hash_ids:
-        raise KVMapError(f"trace {path} line {number} has no hash_ids; expected {EXPECTED_SHAPES}")
     return request
 
 
@@ -364,7 +418,7 @@ def agentic_conversations(text: str, path: Path) -> list[list[dict]] | None:
     """The conversations of an agentic-trace JSON object (each a list of turns with new
     ``messages``), or None when ``text`` is not one JSON object with "conversations"."""
     try:
-        data = json.loads(text)
+        data = parse_json(text)
     except ValueError:
         return None
     if not isinstance(data, dict) or "conversations" not in data:
@@ -373,7 +427,8 @@ def agentic_conversations(text: str, path: Path) -> list[list[dict]] | None:
     if not isinstance(conversations, list) or not all(_is_conversation(c) for c in conversations):
         raise KVMapError(
             f'trace {path}: "conversations" must be a list of conversations, each a list of '
-            'turns {"messages": [{"role": ..., "content": ...}, ...]}'
+            'turns {"messages": [{"role": "...", "content": "..."}, ...]} (content: text, '
+            'null or a list of {"text": "..."} parts; output_tokens, when given, a whole number)'
         )
     return conversations
 
@@ -382,9 +437,31 @@ def _is_conversation(conversation) -> bool:
     return isinstance(conversation, list) and all(
         isinstance(turn, dict)
         and isinstance(turn.get("messages", []), list)
-        and all(isinstance(m, dict) and "role" in m for m in turn.get("messages", []))
+        and all(_is_message(m) for m in turn.get("messages", []))
+        and all(_is_count(turn.get(key)) for key in AGENTIC_OUTPUT_KEYS)
         for turn in conversation
     )
+
+
+def _is_message(message) -> bool:
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        return False
+    content = message.get("content")
+    if isinstance(content, list):
+        return all(
+            isinstance(part, dict) and isinstance(part.get("text", ""), str) for part in content
+        )
+    return content is None or isinstance(content, str)
+
+
+def _is_count(value) -> bool:
+    if value is None:
+        return True
+    try:
+        whole_number(value, "a token count", minimum=0)
+    except ValueError:
+        return False
+    return True
 
 
 def content_text(content) -> str:
@@ -406,7 +483,7 @@ def last_user_text(messages: Sequence[dict]) -> str:
 
 
 def agentic_output_tokens(turn: dict, config: WorkloadConfig) -> int:
-    length = turn.get("output_tokens") or turn.get("completion_tokens")
+    length = next((turn[key] for key in AGENTIC_OUTPUT_KEYS if turn.get(key)), None)
     return config.scaled(int(length or DEFAULT_AGENTIC_OUTPUT_TOKENS))
 
 
