@@ -35,6 +35,7 @@ from .fitting.config import (
 from .models.transfer import Repair
 from .sglang.launch import (
     DEVICES,
+    MAX_PAGE_SIZE,
     PAGE_SIZE,
     PREFETCH_POLICIES,
     STORE_PATH,
@@ -1011,9 +1012,18 @@ def _has_gpu() -> bool:
     help="Built-in HiCache store the engines share (file: one node; Mooncake and 3FS are not "
     "supported yet).",
 )
-@click.option("--store-path", default=STORE_PATH, show_default=True)
 @click.option(
-    "--page-size", type=COUNT, default=PAGE_SIZE, show_default=True, help="Tokens per KV page."
+    "--store-path",
+    type=click.Path(file_okay=False, resolve_path=True),
+    default=STORE_PATH,
+    show_default=True,
+)
+@click.option(
+    "--page-size",
+    type=click.IntRange(1, MAX_PAGE_SIZE),
+    default=PAGE_SIZE,
+    show_default=True,
+    help="Tokens per KV page.",
 )
 @click.option(
     "--port",
@@ -1078,7 +1088,13 @@ def sglang_args(ctx, engines, packs, store, store_path, page_size, port, tp_size
                 device, max_total_tokens, tail_pages, concurrent_translations,
                 audit_translations):  # fmt: skip
     """Print the SGLang launch command of every ENGINE, sharing prefixes through sgl-kvmap."""
-    from .sglang.launch import engine_commands, measured_deadline, peers_of, shell_line
+    from .sglang.launch import (
+        engine_commands,
+        engine_spec,
+        measured_deadline,
+        peers_of,
+        shell_line,
+    )
 
     if port + len(engines) - 1 > PORT.max:
         raise click.BadParameter(
@@ -1086,10 +1102,7 @@ def sglang_args(ctx, engines, packs, store, store_path, page_size, port, tp_size
             ctx,
             param_hint="'--port'",
         )
-    specs = [
-        EngineSpec(*engine.split("=", 1), port=port + i, tp_size=tp_size)
-        for i, engine in enumerate(engines)
-    ]
+    specs = [engine_spec(engine, port + i, tp_size) for i, engine in enumerate(engines)]
     peers_of(specs, list(packs))  # every pack between two engines, before timing any
     options = LaunchOptions(
         store, store_path, page_size, device, max_total_tokens, tail_pages,

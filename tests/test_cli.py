@@ -297,6 +297,47 @@ def test_sglang_args_for_cpu_engines_print_lines_a_shell_runs(fitted_pack, model
     refused_as_usage([*args, "--max-total-tokens", "0"], "--max-total-tokens")
 
 
+def test_sglang_args_refuses_engine_lists_that_would_mix_up_kv(fitted_pack, model_dirs):
+    """Before: two engines under one served name, or one model as two engines, were accepted
+    (peers keyed by name or fingerprint collapsed: one engine then got another model's KV as
+    its own); the same pack twice gave the target a duplicate peer; the page size had no
+    upper bound."""
+    source, target = model_dirs
+    pack = str(fitted_pack[0])
+    same_name = ["--engine", f"{source}=m", "--engine", f"{target}=m", "--pack", pack]
+    assert "'m' is given to two engines" in fail_in_one_line(["sglang-args", *same_name])
+    same_model = ["--engine", f"{source}=a", "--engine", f"{source}=b", "--engine", target]
+    assert "serve the same model" in fail_in_one_line(["sglang-args", *same_model])
+    twice = ["--engine", source, "--engine", target, "--pack", pack, "--pack", pack]
+    assert "is given twice" in fail_in_one_line(["sglang-args", *twice])
+    nameless = ["sglang-args", "--engine", "no/such/model=", "--engine", target]
+    assert "MODEL_PATH=SERVED_NAME" in fail_in_one_line(nameless)
+    refused_as_usage(["sglang-args", "--engine", source, "--page-size", "100000"], "--page-size")
+
+
+def test_sglang_args_prints_absolute_paths_and_reads_equals_signs_in_them(
+    fitted_pack, model_dirs, tmp_path, monkeypatch
+):
+    """A model folder whose path holds "=" is one path (before: split at the first "=" into a
+    wrong path and a served name); relative model, pack and store paths are printed absolute,
+    so the lines run from any folder."""
+    source, target = model_dirs
+    odd = tmp_path / "models=v2" / "small"
+    odd.parent.mkdir()
+    odd.symlink_to(Path(source).resolve())
+    monkeypatch.chdir(tmp_path)
+    pack = os.path.relpath(fitted_pack[0], tmp_path)
+    args = ["sglang-args", "--engine", "models=v2/small", "--engine", f"{target}=big"]
+    output = succeed([*args, "--pack", pack, "--store-path", "store"]).output
+    flags = [launch_flags(shlex.split(line)[3:]) for line in commands_of(output)]
+    assert flags[0]["--model-path"] == str(Path(source).resolve())
+    assert flags[0]["--served-model-name"] == str(Path(source).resolve())
+    extra = json.loads(flags[1]["--hicache-storage-backend-extra-config"])
+    assert extra["file_storage_path"] == str(tmp_path / "store")
+    assert Path(extra["peers"][0]["pack"]).is_absolute()
+    assert Path(extra["peers"][0]["model_path"]) == Path(source).resolve()
+
+
 def commands_of(output: str) -> list[str]:
     """The command lines of ``sglang-args``' output (its comment lines say what was measured
     on this machine, and name each engine)."""

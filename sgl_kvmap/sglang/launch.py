@@ -33,6 +33,7 @@ CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native")
 STORE_PATH = "/tmp/sgl-kvmap-hicache"  # the file store's folder
 STATS_FOLDER = "kvmap-stats"  # each engine's counters, in the store's folder
 PAGE_SIZE = 64  # every engine's --page-size (tokens per page)
+MAX_PAGE_SIZE = 1024  # beyond it a page outgrows the prompts it would cache
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,8 @@ class LaunchOptions:
     audit_translations: bool = False
 
     def __post_init__(self) -> None:
+        if not 1 <= self.page_size <= MAX_PAGE_SIZE:
+            raise KVMapError(f"page size must be 1 to {MAX_PAGE_SIZE} tokens, got {self.page_size}")
         if self.device not in DEVICES:
             raise KVMapError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.store not in INNER_BACKENDS:
@@ -150,12 +153,43 @@ def _device_words(device: str) -> tuple[list[str], list[str]]:
     return [], []
 
 
+def engine_spec(text: str, port: int, tp_size: int = 1) -> EngineSpec:
+    """The engine ``MODEL_PATH`` or ``MODEL_PATH=SERVED_NAME`` (a path that exists is taken
+    whole, so it may hold "="; else the name follows the last "="). A local model path is made
+    absolute, so the printed command runs from any folder."""
+    path, name = text, ""
+    if "=" in text and not Path(text).exists():
+        path, name = text.rsplit("=", 1)
+        if not path or not name:
+            raise KVMapError(f"engine {text!r} is not MODEL_PATH or MODEL_PATH=SERVED_NAME")
+    if Path(path).exists():
+        path = str(Path(path).resolve())
+    return EngineSpec(path, name, port=port, tp_size=tp_size)
+
+
 def peers_of(engines: list[EngineSpec], packs: list[str | Path]) -> dict[str, list[PeerSettings]]:
-    """Each engine's peers: the engines a pack translates from INTO it (by fingerprints)."""
-    by_fingerprint = {spec_from_pretrained(e.model_path).fingerprint: e for e in engines}
+    """Each engine's peers: the engines a pack translates from INTO it (by fingerprints).
+    Refused: two engines under one served name or serving one model (a pack between them would
+    hand one engine the other's KV as its own), a pack given twice, two packs for one
+    direction."""
+    by_fingerprint: dict[str, EngineSpec] = {}
+    for engine in engines:
+        fingerprint = spec_from_pretrained(engine.model_path).fingerprint
+        twin = by_fingerprint.setdefault(fingerprint, engine)
+        if twin is not engine:
+            raise KVMapError(
+                f"engines {twin.name!r} and {engine.name!r} serve the same model: sgl-kvmap "
+                "shares prefixes between different models, one engine each"
+            )
+    names = [e.name for e in engines]
+    if len(set(names)) < len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise KVMapError(f"served name {twice[0]!r} is given to two engines: names must differ")
     peers: dict[str, list[PeerSettings]] = {e.name: [] for e in engines}
+    directions: dict[tuple[str, str], Path] = {}
     for pack in packs:
-        config = read_config(Path(pack))
+        folder = Path(pack).resolve()
+        config = read_config(folder)
         source = by_fingerprint.get(config["source_fingerprint"])
         target = by_fingerprint.get(config["target_fingerprint"])
         if source is None or target is None:
@@ -163,8 +197,16 @@ def peers_of(engines: list[EngineSpec], packs: list[str | Path]) -> dict[str, li
                 f"pack {pack} maps {config['source']['model_id']} -> "
                 f"{config['target']['model_id']}, which are not both among the engines"
             )
+        earlier = directions.setdefault((source.name, target.name), folder)
+        if earlier != folder:
+            raise KVMapError(
+                f"packs {earlier} and {folder} both map {source.name} -> {target.name}: "
+                "give one pack per direction"
+            )
+        if any(peer.model_name == source.name for peer in peers[target.name]):
+            raise KVMapError(f"pack {folder} is given twice")
         peers[target.name].append(
-            PeerSettings(source.name, str(Path(pack).resolve()), source.model_path, source.tp_size)
+            PeerSettings(source.name, str(folder), source.model_path, source.tp_size)
         )
     return peers
 
