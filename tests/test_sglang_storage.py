@@ -441,6 +441,7 @@ def test_a_pack_changed_on_disk_while_serving_changes_nothing(cluster, deploymen
         ({"hicache_storage_pass_prefix_keys": False}, '"hicache_storage_pass_prefix_keys": true'),
         ({"peers": [{"model_name": "x", "pack": "y", "dtype": "float16"}]}, "unknown peer key"),
         ({"peers": {"model_name": "x"}}, "peers must be a list"),
+        ({"peers": [{"model_name": "x"}]}, "has no pack"),
         ({"sinks": "maybe"}, "sinks must be one of"),
         ({"inner_backend": "mooncake"}, "not supported by sgl-kvmap yet"),
     ],

@@ -59,6 +59,9 @@ class PeerSettings:
                 f"unknown peer key(s) {unknown} (known: {[f.name for f in fields(cls)]}); a "
                 "peer's page layout and dtype are recorded beside its pages, not configured"
             )
+        missing = [name for name in ("model_name", "pack") if name not in entry]
+        if missing:
+            raise KVMapError(f"peer entry {entry!r} has no {' and no '.join(missing)}")
         return cls(**entry)
 
 
