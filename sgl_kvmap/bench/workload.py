@@ -38,7 +38,6 @@ Slice. The first ``sessions`` sessions (in order of first arrival) that keep at 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from itertools import chain
@@ -46,6 +45,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..core.errors import KVMapError
+from ..core.strict_json import loads_finite
 
 TRACE_BLOCK_TOKENS = 512  # the Mooncake trace's prefix block
 DEFAULT_TRACE = Path(__file__).with_name("data") / "mooncake_conversation_trace.jsonl"
@@ -153,30 +153,10 @@ def read_trace_text(path: Path) -> str:
         ) from None
 
 
-def parse_json(text: str):
-    """``json.loads``, refusing what JSON allows but a trace never holds: NaN, infinities
-    (``1e400``) and nesting too deep to read. Raises ValueError."""
-    try:
-        return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
-    except RecursionError:
-        raise ValueError("nested too deeply") from None
-
-
 def shown(value) -> str:
     """``repr(value)``, cut to 60 characters for an error line."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _refuse_constant(name: str):
-    raise ValueError(f"{name} is not a number a trace can hold")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if value != value or value in (float("inf"), float("-inf")):
-        raise ValueError(f"{text} is out of range")
-    return value
 
 
 def whole_number(value, what: str, minimum: int) -> int:
@@ -256,7 +236,7 @@ def mooncake_requests(text: str, path: Path) -> list[MooncakeRequest]:
 
 def _mooncake_request(line: str, path: Path, number: int) -> MooncakeRequest:
     try:
-        row = parse_json(line)
+        row = loads_finite(line)
         if not isinstance(row, dict):
             raise ValueError("not a JSON object")
         missing = [key for key in MOONCAKE_KEYS if key not in row]
@@ -418,7 +398,7 @@ def agentic_conversations(text: str, path: Path) -> list[list[dict]] | None:
     """The conversations of an agentic-trace JSON object (each a list of turns with new
     ``messages``), or None when ``text`` is not one JSON object with "conversations"."""
     try:
-        data = parse_json(text)
+        data = loads_finite(text)
     except ValueError:
         return None
     if not isinstance(data, dict) or "conversations" not in data:

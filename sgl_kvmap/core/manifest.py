@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from typing import Any
 
 from jsonschema import Draft202012Validator, validators
 
 from .errors import PackError
 from .spec import ROPE_STYLES
+from .strict_json import loads_finite
 
 FORMAT_NAME = "sgl-kvmap"
 FORMAT_VERSION = 3  # the newest this library writes
@@ -140,11 +140,9 @@ _VALIDATOR = _Validator(SCHEMA)
 def parse_manifest(data: bytes, where: str) -> dict[str, Any]:
     """kvmap.json's bytes -> the validated manifest. Raises PackError naming ``where``."""
     try:
-        manifest = json.loads(data, parse_constant=_refuse_constant, parse_float=_finite_float)
-    except (UnicodeDecodeError, ValueError) as err:
+        manifest = loads_finite(data)
+    except ValueError as err:  # UnicodeDecodeError is one
         raise PackError(f"{where}: not valid JSON ({err})") from err
-    except RecursionError as err:
-        raise PackError(f"{where}: not valid JSON (nested too deeply)") from err
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         raise PackError(f"{where}: not an {FORMAT_NAME} pack (format field {found!r})")
@@ -171,14 +169,3 @@ def manifest_digest(manifest: dict[str, Any]) -> str:
 def _error_order(error) -> tuple:
     """Report the shallowest error first (a missing field before a detail deep inside)."""
     return (len(error.absolute_path), list(map(str, error.absolute_path)), error.message)
-
-
-def _refuse_constant(name: str):
-    raise ValueError(f"{name} is not a number JSON allows")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text} is out of range")
-    return value
