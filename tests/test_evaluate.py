@@ -172,3 +172,19 @@ def test_evaluated_repair_spans_mapped_tail_to_the_target_itself(tiny_pair, tiny
     assert every.mapped.nll != pytest.approx(every.reference.nll, rel=1e-4)
     assert every.summary()["eval_repaired_nll"] == every.repaired.nll
     assert "2-token source draft" in every.table()
+
+
+def test_an_overflowing_map_is_reported_as_broken_not_scored_nan(tiny_pair, text_mapper, text_dir):
+    """Before: a map whose translation overflowed (here a 3e38 bias, finite in float32) gave NaN
+    scores that `eval` printed as ``nan``; now the evaluation stops naming the conditions."""
+    import copy
+
+    from sgl_kvmap.core.errors import KVMapError
+
+    source, target = tiny_pair
+    broken = copy.deepcopy(text_mapper)
+    for layer_map in broken.maps["k"]:
+        layer_map.bias.fill_(3e38)
+    windows = eval_windows(target.tokenizer, expand_paths([text_dir / "eval"]), 80, 1)
+    with pytest.raises(KVMapError, match="mapped.* is not finite"):
+        evaluate(broken, source, target, windows, prefix_len=48, continuation=32, tail=8)

@@ -242,3 +242,25 @@ def test_check_destination_refuses_what_saving_refuses(mapper, tmp_path, overwri
             mapper.save_pretrained(folder, overwrite=overwrite)
         assert str(early.value) == str(late.value)  # one rule, one message
         assert ("--overwrite" in str(early.value)) == (name == "pack")
+
+
+def forge_weight(folder, name: str, value: float) -> None:
+    """Set one entry of tensor ``name`` to ``value`` and re-sign the pack (checksum and
+    metadata), as a hostile publisher would: only the value checks can catch it."""
+    path = folder / "kvmap.json"
+    data = json.loads(path.read_text())
+    tensors = load_file(folder / "mapper.safetensors")
+    tensors[name].view(-1)[0] = value
+    blob = save(tensors, metadata=pack._metadata(data))
+    (folder / "mapper.safetensors").write_bytes(blob)
+    data["tensors_sha256"] = hashlib.sha256(blob).hexdigest()
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("value", [1e5, -3e38])
+def test_a_pack_with_huge_but_finite_weights_is_refused(saved, value):
+    """Before: weights of 1e5 (or 3e38) passed every check, and the engine's translation wrote
+    NaN/inf KV into its pool."""
+    forge_weight(saved, "k.0.weight", value)
+    with pytest.raises(PackError, match="beyond the 65504"):
+        KVMapper.from_pretrained(saved)

@@ -354,11 +354,18 @@ def _reinterpreted(cache: KVCache) -> KVCache:
 
 @pytest.mark.parametrize(
     "damage",
-    ["random bytes", "a truncated file", "a truncated record", "NaN with a matching record"],
+    [
+        "random bytes",
+        "a truncated file",
+        "a truncated record",
+        "NaN with a matching record",
+        "huge values with a matching record",
+    ],
 )
 def test_a_damaged_peer_page_ends_the_translated_run(cluster, damage, caplog):
-    """A peer page that does not match its record, is cut short, or holds non-finite values,
-    is never translated: the run stops before it, the reason is counted (once logged, with no
+    """A peer page that does not match its record, is cut short, holds non-finite values, or
+    holds finite values whose translation is not finite (before: written into the engine's
+    pool), is never served: the run stops before it, the reason is counted (once logged, with no
     traceback) and the rest is computed."""
     from sgl_kvmap.sglang.records import PageRecord, page_crc32
 
@@ -379,15 +386,16 @@ def test_a_damaged_peer_page_ends_the_translated_run(cluster, damage, caplog):
     elif damage == "a truncated record":
         os.truncate(record_file, 100)
         reason = "record_invalid"
-    else:
-        nan = torch.full((size // 2,), float("nan"), dtype=torch.bfloat16)
-        page_file.write_bytes(nan.view(torch.uint8).numpy().tobytes())
+    else:  # values the record vouches for: finite or not, the checks behind the CRC decide
+        huge = damage.startswith("huge")
+        bad = torch.full((size // 2,), 3e38 if huge else float("nan"), dtype=torch.bfloat16)
+        page_file.write_bytes(bad.view(torch.uint8).numpy().tobytes())
         record = PageRecord.from_tensor(
             torch.frombuffer(bytearray(record_file.read_bytes()), dtype=torch.uint8)
         )
-        fixed = dataclasses.replace(record, crc32=page_crc32(nan))
+        fixed = dataclasses.replace(record, crc32=page_crc32(bad))
         record_file.write_bytes(fixed.to_tensor().numpy().tobytes())
-        reason = "peer_page_not_finite"
+        reason = "translation_not_finite" if huge else "peer_page_not_finite"
     served = b.serve(prompt)
     assert served.reused == 2 * PAGE
     assert b.storage.counters[f"fallback.{reason}"] >= 1

@@ -65,6 +65,9 @@ TENSORS_FILE = "mapper.safetensors"
 CONFIG_FILE = "kvmap.json"
 CARD_FILE = "README.md"
 PACK_FILES = frozenset({TENSORS_FILE, CONFIG_FILE, CARD_FILE})
+# A ridge fit keeps its weights and biases far inside float16's range; larger values can only
+# come from damage or a hostile file, and would overflow an engine's KV pool.
+MAX_ABS_WEIGHT = 65504.0
 
 
 class PackRegistry(Protocol):
@@ -358,4 +361,10 @@ def _layer_map(tensors: dict[str, torch.Tensor], kind: str, layer: int) -> Layer
 def _finite(tensor: torch.Tensor, name: str) -> torch.Tensor:
     if tensor.dtype != torch.float32 or not tensor.isfinite().all():
         raise PackError(f"{name} is not finite float32")
+    largest = float(tensor.abs().max()) if tensor.numel() else 0.0
+    if largest > MAX_ABS_WEIGHT:
+        raise PackError(
+            f"{name} holds {largest:.3g}, beyond the {MAX_ABS_WEIGHT:g} a fitted map stays within "
+            "(float16's range): a damaged or hostile pack"
+        )
     return tensor

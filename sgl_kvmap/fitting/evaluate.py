@@ -11,6 +11,7 @@ target's attention outputs over translated vs true KV (true queries, causal).
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..core.cache import KVCache
+from ..core.errors import KVMapError
 from ..core.mapper import KVMapper
 from ..core.rope import unrope
 from ..core.spec import check_models, tables_for_spec
@@ -100,6 +102,21 @@ class EvalReport:
             else None
             for name in RATIOS
         }
+
+    def check_finite(self) -> None:
+        """Raise KVMapError naming the conditions whose accuracy or NLL is NaN or infinite (a
+        cache that overflowed), rather than print ``nan`` as a score."""
+        broken = [
+            name
+            for name in CONDITIONS
+            if (quality := getattr(self, name)) is not None
+            and not (math.isfinite(quality.accuracy) and math.isfinite(quality.nll))
+        ]
+        if broken:
+            raise KVMapError(
+                f"the evaluation of {', '.join(broken)} is not finite (NaN or inf): its cache "
+                "overflowed, so the pack (or a model) is broken"
+            )
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -421,7 +438,7 @@ def evaluate(
         if not shared:
             runs.forget(i)  # memory stays flat in the number of windows
     per_head_r2 = {kind: 1 - acc.sse[kind] / acc.sst[kind] for kind in ("k", "v")}
-    return EvalReport(
+    report = EvalReport(
         reference=acc.quality("reference"),
         mapped=acc.quality("mapped"),
         mapped_tail=acc.quality("mapped_tail"),
@@ -439,6 +456,8 @@ def evaluate(
         repair=None if repair is None else f"{tail}-token tail + {repair}",
         by_window=acc.by_window,
     )
+    report.check_finite()
+    return report
 
 
 def _evaluate_window(

@@ -23,10 +23,11 @@ Rules (docs/sglang.md):
   offload) cannot be checked and stores nothing.
 - Fallback: a missing, damaged or mismatched pack, a page without a record or whose bytes do
   not match it, a record of another model, a peer with another page size or geometry,
-  non-finite values, a failing peer store, a page lost after the hit query, a job past its
-  deadline, every worker busy or any translation error makes the page unavailable; SGLang then
-  prefills it as if sgl-kvmap were absent. Every reason is counted (``counters``, also written
-  to ``stats_path``) and logged once; nothing is raised into the scheduler.
+  non-finite values read or translated, a failing peer store, a page lost after the hit query,
+  a job past its deadline, every worker busy or any translation error makes the page
+  unavailable; SGLang then prefills it as if sgl-kvmap were absent. Every reason is counted
+  (``counters``, also written to ``stats_path``) and logged once; nothing is raised into the
+  scheduler.
 
 This module and the in-process harness ``engine`` (which drives SGLang's scheduler calls for the
 tests and the benchmark) are the only modules that import sglang.
@@ -429,6 +430,10 @@ class KVMapStorage(HiCacheStorage):
                 return Translated([], [], short)
             first = next(iter(records[0].values())).first_token
             pages = translate_run(peer.mapper, source, first, self.page)
+            finite = next((i for i, page in enumerate(pages) if not page.isfinite().all()), None)
+            if finite is not None:  # a hostile or broken pack: never NaN/inf into the engine
+                pages = pages[:finite]
+                short = _Skip("translation_not_finite", f"translated page {finite}: NaN or inf")
             return Translated(pages, [page_crc32(page) for page in pages], short)
 
         return work
