@@ -23,6 +23,7 @@ from .bench.records import MODES
 from .bench.run import BenchConfig
 from .bench.workload import WorkloadConfig
 from .core.errors import KVMapError
+from .core.manifest import MAX_COUNT
 from .fitting.config import (
     AUTO_K,
     FAMILY_RATES,
@@ -332,7 +333,7 @@ def main(verbose: bool) -> None:
 )
 @click.option(
     "--sink-tokens",
-    type=AMOUNT,
+    type=click.IntRange(0, MAX_COUNT),
     default=PACK.calibration.sink_tokens,
     show_default=True,
     help="Leading tokens the target computes itself.",

@@ -267,3 +267,26 @@ def test_bad_ranks_are_refused(low_rank_problem):
             CalibrationConfig(rank=bad)
     with pytest.raises(KVMapError, match="rank must be in"):
         fit_from_statistics(stats, CalibrationConfig(rank=10_000))
+
+
+def test_a_token_budget_far_beyond_the_text_takes_the_text_without_planning_every_window(
+    tmp_path,
+):
+    """Before: ``--tokens 1e12`` built the set of every planned held-out window index (about
+    2.4e8 of them) before reading a token. Now the windows the text gives are taken, the same
+    as under a budget that just covers them, in little memory."""
+    import tracemalloc
+
+    from sgl_kvmap.fitting.calibrate import calibration_token_windows
+
+    for letter in "abcdefghijklmnop":
+        (tmp_path / f"{letter}.txt").write_text(letter * 300)
+    config = CalibrationConfig(tokens=64 * 16, window=64, heldout_every=4)
+    fitting = calibration_token_windows(char_tokenizer(), [tmp_path], config)
+    tracemalloc.start()
+    huge = calibration_token_windows(char_tokenizer(), [tmp_path], replace(config, tokens=10**12))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 64 * 2**20
+    assert len(huge) >= len(fitting)
+    assert all(torch.equal(a, b) for a, b in zip(fitting, huge))

@@ -443,6 +443,8 @@ def test_every_numeric_option_has_a_checked_type():
         (["fit", "S", "T", "--out", "OUT", "--tune-steps", "-1"], "--tune-steps"),
         (["fit", "S", "T", "--out", "OUT", "--rank", "0"], "--rank"),
         (["fit", "S", "T", "--out", "OUT", "--top-k", "-2"], "--top-k"),
+        (["fit", "S", "T", "--out", "OUT", "--sink-tokens", "2000000"], "--sink-tokens"),
+        (["sglang-args", "--engine", "M", "--page-size", "100000"], "--page-size"),
         (["tune", "PACK", "--out", "OUT", "--steps", "0"], "--steps"),
         (["tune", "PACK", "--out", "OUT", "--lr", "inf"], "--lr"),
         (["tune", "PACK", "--out", "OUT", "--tail", "47", "--prompt-len", "48"], "--tail"),

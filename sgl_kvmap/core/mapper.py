@@ -15,6 +15,7 @@ import torch
 from .cache import KVCache
 from .errors import KVMapError
 from .fit import KINDS, LayerMap
+from .manifest import MAX_COUNT
 from .pack import is_hub_pack, load_pack, registry, save_pack
 from .residual import Residual, hidden_activations
 from .rope import rope, unrope
@@ -109,8 +110,8 @@ class KVMapper:
             raise KVMapError(f"ridge must be a finite number >= 0, got {self.ridge}")
         if isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int):
             raise KVMapError(f"sink_tokens must be an integer, got {self.sink_tokens!r}")
-        if self.sink_tokens < 0:
-            raise KVMapError(f"sink_tokens must be >= 0, got {self.sink_tokens}")
+        if not 0 <= self.sink_tokens <= MAX_COUNT:
+            raise KVMapError(f"sink_tokens must be 0 to {MAX_COUNT}, got {self.sink_tokens}")
         self._validate_projections()
         self._validate_residuals()
         for layer, sources in enumerate(self.selection):

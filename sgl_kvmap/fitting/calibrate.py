@@ -259,17 +259,15 @@ def calibration_token_windows(
         held: calibration_windows(tokenizer, subset, config.window, config.per_file_tokens)
         for held, subset in ((False, train_files), (True, heldout_files))
     }
-    planned = config.tokens // config.window
-    heldout = _heldout_indices(planned, every)
+    planned = config.tokens // config.window  # may far exceed the text: never materialised
     windows = []
     for i in range(planned):
-        window = next(streams[i in heldout], None)
+        window = next(streams[_is_heldout(i, planned, every)], None)
         if window is None:
             break
         windows.append(window)
-    if len(windows) < 2 or heldout & set(range(len(windows))) != _heldout_indices(
-        len(windows), every
-    ):
+    taken = {i for i in range(len(windows)) if _is_heldout(i, planned, every)}
+    if len(windows) < 2 or taken != _heldout_indices(len(windows), every):
         raise KVMapError(
             f"calibration text gave {len(windows)} window(s) of {config.window} tokens, too few "
             f"for a training / held-out split (every {every}th window); pass more text"
@@ -529,7 +527,12 @@ def _info(recipe: dict | None, report: FitReport) -> dict:
 
 def _heldout_indices(n_windows: int, every: int) -> set[int]:
     """Every ``every``-th window, or the last one when there are fewer than ``every``."""
-    return {i for i in range(n_windows) if (i + 1) % every == 0} or {n_windows - 1}
+    return {i for i in range(n_windows) if _is_heldout(i, n_windows, every)}
+
+
+def _is_heldout(i: int, n_windows: int, every: int) -> bool:
+    """Whether window ``i`` of ``n_windows`` is in ``_heldout_indices(n_windows, every)``."""
+    return (i + 1) % every == 0 or (n_windows < every and i == n_windows - 1)
 
 
 def _choose_layer_ks(per_k, per_layer, config: CalibrationConfig) -> list[int]:

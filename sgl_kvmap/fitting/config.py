@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ..core.errors import KVMapError
+from ..core.manifest import MAX_COUNT
 from ..core.mapper import KVMapper
 from ..models.transfer import Repair
 
@@ -80,6 +82,15 @@ class CalibrationConfig:
             raise KVMapError("invalid skip_first / stride / heldout_every")
         if self.attention_power < 0:
             raise KVMapError(f"attention_power must be >= 0, got {self.attention_power}")
+        # the limits a pack's reader applies (core.manifest), checked before any work
+        if not 0 <= self.sink_tokens <= MAX_COUNT:
+            raise KVMapError(f"sink_tokens must be 0 to {MAX_COUNT}, got {self.sink_tokens}")
+        for name in ("top_k", "rank"):
+            value = getattr(self, name)
+            if isinstance(value, int) and value > MAX_COUNT:
+                raise KVMapError(f"{name} must be at most {MAX_COUNT}, got {value}")
+        if not (math.isfinite(self.ridge) and self.ridge >= 0):
+            raise KVMapError(f"ridge must be a finite number >= 0, got {self.ridge}")
 
 
 OBJECTIVES = ("nll", "kl")
