@@ -270,3 +270,36 @@ def test_records_round_trip_through_json():
     assert summarize([RequestRecord.from_json(json.loads(line)) for line in lines]) == summarize(
         RECORDS
     )
+
+
+def test_a_rerun_replaces_only_an_earlier_runs_own_files(tmp_path, monkeypatch):
+    """`bench --out` over an earlier run replaces it; anything else it finds there is the
+    user's and refuses the run with the folder untouched. Before: a folder under one of the
+    run's file names (here quality.png/) passed as the run's own and was deleted with what it
+    held."""
+    from sgl_kvmap.bench.run import RUN_FILE, save_run
+    from sgl_kvmap.core.errors import KVMapError
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # the summary alone is enough here
+    out = tmp_path / "run"
+    save_run(RECORDS, HEADER, out)
+    save_run(STICKY, HEADER, out)  # an earlier run is replaced
+    assert json.loads((out / RUN_FILE).read_text()) == HEADER
+    figure = next(iter(FIGURES))
+    mine = out / figure
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's")
+    with pytest.raises(KVMapError, match=f"did not write: \\['{figure}'\\]"):
+        save_run(RECORDS, HEADER, out)
+    assert (mine / "notes.txt").read_text() == "the user's"
+    (mine / "notes.txt").unlink()
+    mine.rmdir()
+    (out / "notes.txt").write_text("the user's")
+    with pytest.raises(KVMapError, match="notes.txt"):
+        save_run(RECORDS, HEADER, out)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "data.csv").write_text("1,2")
+    with pytest.raises(KVMapError, match="not a benchmark run's output"):
+        save_run(RECORDS, HEADER, other)
+    assert (other / "data.csv").read_text() == "1,2"

@@ -177,7 +177,10 @@ def _only_an_earlier_run(folder: Path) -> None:
         raise KVMapError(
             f"{folder} exists and is not a benchmark run's output; choose another --out"
         )
-    foreign = sorted(p.name for p in folder.iterdir() if p.name not in ours)
+    # a folder or link under one of our names is the user's, never ours
+    foreign = sorted(
+        p.name for p in folder.iterdir() if p.name not in ours or p.is_symlink() or not p.is_file()
+    )
     if foreign:
         raise KVMapError(f"{folder} holds files a benchmark run did not write: {foreign}")
 
