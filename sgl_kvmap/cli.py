@@ -912,8 +912,10 @@ def bench(
     from tqdm import tqdm
 
     from .bench.report import summarize, summary_markdown
-    from .bench.run import header, pair_and_packs, save_run
+    from .bench.run import check_out, header, pair_and_packs, save_run
     from .sglang.launch import measured_deadline
+
+    check_out(out)
 
     workload = _config(
         ctx, WorkloadConfig, trace, scale, sessions, min_turns, max_turns, max_prompt_tokens

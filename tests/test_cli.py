@@ -612,3 +612,23 @@ def test_resolve_build_never_returns_another_recipes_pack_and_each_command_names
     assert default_recipe in succeed(["inspect", str(default)]).stdout.splitlines()[3]
     lines = succeed(["inspect", str(fitted_pack[0])]).stdout.splitlines()
     assert lines[3] == "recipe 1,024 calibration tokens, top-k 2, not tuned"
+
+
+def test_bench_refuses_an_out_it_could_not_write_before_any_work(tmp_path, monkeypatch):
+    """Before: `bench` ran its replays (minutes to an hour) and only then found that --out was
+    another folder of the user's or under a file."""
+    from sgl_kvmap.bench import run
+
+    def never(*args, **kwargs):
+        raise AssertionError("worked before checking --out")
+
+    monkeypatch.setattr(run, "pair_and_packs", never)
+    (tmp_path / "a-file").write_text("x")
+    line = fail_in_one_line(["bench", "--out", str(tmp_path / "a-file" / "run")])
+    assert "a-file is not a folder" in line
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "data.csv").write_text("1")
+    assert "not a benchmark run's output" in fail_in_one_line(
+        ["bench", "--out", str(tmp_path / "mine")]
+    )
+    assert (tmp_path / "mine" / "data.csv").read_text() == "1"

@@ -17,7 +17,7 @@ from datetime import date
 from pathlib import Path
 
 from ..core.errors import KVMapError, PackError
-from ..core.files import replacing_folder
+from ..core.files import replacing_folder, writable_place
 from ..fitting.config import CalibrationConfig, PackRecipe
 from ..sglang.launch import PrefetchDeadline
 from .records import MODES, REFERENCE_MODE, RequestRecord
@@ -161,6 +161,16 @@ def save_run(records: list[RequestRecord], run_header: dict, out: Path) -> Path:
         (folder / RUN_FILE).write_text(json.dumps(run_header, indent=2) + "\n")
         write_report(records, run_header, folder)
     return out / "summary.md"
+
+
+def check_out(out: Path) -> None:
+    """Refuse, before any work, an ``out`` that ``save_run`` would refuse or could not write."""
+    out = Path(out)
+    if out.exists() or out.is_symlink():
+        _only_an_earlier_run(out)
+    problem = writable_place(out)
+    if problem:
+        raise KVMapError(f"cannot write the run to {out}: {problem}; choose another --out")
 
 
 def _short(model: str) -> str:

@@ -69,6 +69,20 @@ def staged_file(path: Path) -> Iterator[Path]:
         staging.unlink(missing_ok=True)
 
 
+def writable_place(target: Path) -> str | None:
+    """Why ``replacing_folder`` could not write ``target`` (its nearest existing folder is not
+    a folder, or this process may not create entries in it), or None. A check to run before
+    long work, so it is not lost to an unwritable output."""
+    ancestor = Path(target).absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"{ancestor} is not a folder"
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"{ancestor} is not writable"
+    return None
+
+
 def remove_debris(target: Path) -> None:
     """Remove what killed writers of ``target`` left beside it (their staging and old folders).
 
