@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import os
 
 import pytest
 import torch
@@ -264,3 +265,63 @@ def test_a_pack_with_huge_but_finite_weights_is_refused(saved, value):
     forge_weight(saved, "k.0.weight", value)
     with pytest.raises(PackError, match="beyond the 65504"):
         KVMapper.from_pretrained(saved)
+
+
+def _fifo(path):
+    path.unlink()
+    os.mkfifo(path)
+
+
+def _dev_zero(path):
+    path.unlink()
+    path.symlink_to("/dev/zero")
+
+
+def _huge(path):
+    data = json.loads(path.read_text())
+    data["notes"] = "x" * (5 << 20)
+    path.write_text(json.dumps(data))
+
+
+def _folder(path):
+    path.unlink()
+    path.mkdir()
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (_fifo, "kvmap.json is a FIFO or device"),
+        (_dev_zero, "kvmap.json is a FIFO or device"),
+        (_huge, "kvmap.json is larger than 4,194,304 bytes"),
+        (_folder, "kvmap.json is a folder"),
+    ],
+)
+def test_a_manifest_that_is_not_a_small_regular_file_is_refused_at_once(saved, damage, message):
+    """Before: a FIFO blocked the reader, a link to /dev/zero read without end, a 200 MB
+    manifest was read and parsed, a folder gave "[Errno 21]". The load runs on a thread here so
+    that a reader that blocks fails the test instead of hanging it."""
+    import threading
+
+    damage(saved / "kvmap.json")
+    outcome = []
+
+    def load():
+        try:
+            KVMapper.from_pretrained(saved)
+        except Exception as error:  # noqa: BLE001 - the test inspects it
+            outcome.append(error)
+
+    reader = threading.Thread(target=load, daemon=True)
+    reader.start()
+    reader.join(timeout=30)
+    if reader.is_alive():  # unblock a FIFO reader before failing
+        with (
+            open(saved / "kvmap.json", "wb", buffering=0)
+            if damage is _fifo
+            else open(os.devnull) as _
+        ):
+            pass
+        pytest.fail("loading the pack blocked")
+    assert len(outcome) == 1 and isinstance(outcome[0], PackError), outcome
+    assert message in str(outcome[0])

@@ -19,6 +19,7 @@ import hashlib
 import os
 import secrets
 import shutil
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -91,14 +92,24 @@ def remove_debris(target: Path) -> None:
         shutil.rmtree(debris, ignore_errors=True)
 
 
-def read_folder(folder: Path, names: tuple[str, ...]) -> dict[str, bytes | None]:
-    """The bytes of each named file of ``folder`` (None: absent), all from one version of it.
+class UnreadableFile(OSError):
+    """A named file that is not a regular file (a folder, a FIFO, a device) or is too large."""
 
-    Raises FileNotFoundError (or NotADirectoryError) when ``folder`` itself is missing."""
+
+def read_folder(
+    folder: Path, names: tuple[str, ...], max_bytes: dict[str, int] | None = None
+) -> dict[str, bytes | None]:
+    """The bytes of each named file of ``folder`` (None: absent), all from one version of it.
+    Each must be a regular file (links to one are followed) of at most ``max_bytes[name]``
+    bytes when a limit is given: a FIFO is never waited on, a device never read.
+
+    Raises FileNotFoundError (or NotADirectoryError) when ``folder`` itself is missing, and
+    UnreadableFile for a named file that breaks the rules."""
+    limits = max_bytes or {}
     for _ in range(READ_ATTEMPTS):
         fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            files = {name: _read_at(fd, name) for name in names}
+            files = {name: _read_at(fd, name, limits.get(name)) for name in names}
             if None not in files.values() or _same_folder(fd, folder):
                 return files
         finally:
@@ -118,13 +129,21 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _read_at(dir_fd: int, name: str) -> bytes | None:
+def _read_at(dir_fd: int, name: str, limit: int | None) -> bytes | None:
     try:
-        fd = os.open(name, os.O_RDONLY, dir_fd=dir_fd)
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK, dir_fd=dir_fd)
     except FileNotFoundError:
         return None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO or device"
+        raise UnreadableFile(f"{name} is {kind}, not a file")
     with open(fd, "rb") as f:
-        return f.read()
+        data = f.read() if limit is None else f.read(limit + 1)
+    if limit is not None and len(data) > limit:
+        raise UnreadableFile(f"{name} is larger than {limit:,} bytes")
+    return data
 
 
 def _same_folder(dir_fd: int, folder: Path) -> bool:

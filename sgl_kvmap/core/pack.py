@@ -36,7 +36,7 @@ from safetensors.torch import load, save
 
 from .._version import __version__
 from .errors import KVMapError, PackError
-from .files import read_folder, replacing_folder, sha256_bytes
+from .files import UnreadableFile, read_folder, replacing_folder, sha256_bytes
 from .fit import KINDS, LayerMap
 from .manifest import (
     DIGEST_KEY,
@@ -68,6 +68,7 @@ PACK_FILES = frozenset({TENSORS_FILE, CONFIG_FILE, CARD_FILE})
 # A ridge fit keeps its weights and biases far inside float16's range; larger values can only
 # come from damage or a hostile file, and would overflow an engine's KV pool.
 MAX_ABS_WEIGHT = 65504.0
+MAX_MANIFEST_BYTES = 4 << 20  # kvmap.json: a few KiB of settings and metrics; notes fit well
 
 
 class PackRegistry(Protocol):
@@ -177,7 +178,8 @@ def read_config(folder: Path) -> dict[str, Any]:
 def is_pack(folder: Path) -> bool:
     """Whether ``folder`` holds a kvmap.json of this format (whole or damaged otherwise)."""
     try:
-        data = read_folder(Path(folder), (CONFIG_FILE,))[CONFIG_FILE]
+        data = read_folder(Path(folder), (CONFIG_FILE,), {CONFIG_FILE: MAX_MANIFEST_BYTES})
+        data = data[CONFIG_FILE]
         return data is not None and json.loads(data).get("format") == FORMAT_NAME
     except (OSError, ValueError, RecursionError, AttributeError):
         return False
@@ -186,7 +188,9 @@ def is_pack(folder: Path) -> bool:
 def _read_pack(folder: Path, names=(CONFIG_FILE, TENSORS_FILE)) -> dict[str, bytes | None]:
     """The named files of one version of the pack at ``folder``; kvmap.json must be there."""
     try:
-        files = read_folder(folder, names)
+        files = read_folder(folder, names, {CONFIG_FILE: MAX_MANIFEST_BYTES})
+    except UnreadableFile as err:
+        raise PackError(f"{folder} is not a readable mapper pack: {err}") from None
     except (FileNotFoundError, NotADirectoryError) as err:
         raise PackError(f"{folder} is not a mapper pack: no such folder") from err
     if files[CONFIG_FILE] is None:
