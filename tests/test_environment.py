@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sgl_kvmap.environment import setting
+from sgl_kvmap.core.environment import setting
 from sgl_kvmap.fitting.default_pair import cache_root
 
 ROOT = Path(__file__).resolve().parents[1]

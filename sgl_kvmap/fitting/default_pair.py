@@ -36,9 +36,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..core.environment import setting
 from ..core.errors import ModelSourceError
 from ..core.files import replacing_folder, sha256_file
-from ..environment import setting
 
 log = logging.getLogger(__name__)
 

@@ -29,11 +29,11 @@ from huggingface_hub import cached_assets_path
 from huggingface_hub.constants import is_offline_mode
 from huggingface_hub.utils import WeakFileLock
 
+from ..core.environment import setting
 from ..core.errors import PackError, PairMismatchError
 from ..core.mapper import KVMapper
 from ..core.pack import is_pack, read_config
 from ..core.spec import ModelSpec, check_models, check_pair, spec_from_pretrained
-from ..environment import setting
 from ..fitting.build import build_pack, build_pack_pair
 from ..fitting.config import PackRecipe, recipe_summary
 from .naming import repo_name
