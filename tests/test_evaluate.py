@@ -177,14 +177,15 @@ def test_evaluated_repair_spans_mapped_tail_to_the_target_itself(tiny_pair, tiny
 def test_an_overflowing_map_is_reported_as_broken_not_scored_nan(tiny_pair, text_mapper, text_dir):
     """Before: a map whose translation overflowed (here a 3e38 bias, finite in float32) gave NaN
     scores that `eval` printed as ``nan``; now the evaluation stops naming the conditions."""
-    import copy
-
     from sgl_kvmap.core.errors import KVMapError
 
     source, target = tiny_pair
-    broken = copy.deepcopy(text_mapper)
-    for layer_map in broken.maps["k"]:
-        layer_map.bias.fill_(3e38)
+    from dataclasses import replace
+
+    from sgl_kvmap.core.fit import LayerMap
+
+    overflowing = [LayerMap(m.weight, torch.full_like(m.bias, 3e38)) for m in text_mapper.maps["k"]]
+    broken = replace(text_mapper, maps={**text_mapper.maps, "k": overflowing})
     windows = eval_windows(target.tokenizer, expand_paths([text_dir / "eval"]), 80, 1)
     with pytest.raises(KVMapError, match="mapped.* is not finite"):
         evaluate(broken, source, target, windows, prefix_len=48, continuation=32, tail=8)
