@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from sgl_kvmap.bench.records import MODES, TIERS
-from sgl_kvmap.bench.replay import Deployment, ReplayPlan, replay
+from sgl_kvmap.bench.replay import Deployment, ReplayPlan, fresh_scores, replay
 from sgl_kvmap.bench.routing import parse_policy, swapped
 from sgl_kvmap.bench.run import BenchConfig, plan, run_bench
 from sgl_kvmap.bench.workload import WorkloadConfig, ideal_reuse, load_workload
@@ -133,6 +133,33 @@ def test_reprefill_translates_nothing_and_the_translating_modes_save_prefill(rec
     for t, f in zip(of(records, "alternate", "tail"), of(records, "alternate", "translated")):
         if t.swapped and f.reused["translated"]:
             assert t.reused["translated"] == f.reused["translated"] - PAGE
+
+
+def test_swaps_are_scored_on_the_true_continuation_beside_the_baselines(deployment, turns, records):
+    """Every swapped request carries its scores on its turn's continuation under the cache that
+    served it, and the same baselines in every mode: the reprefill replay's own scores
+    (reference), the source model computing the prompt (staying) and the target computing the
+    turn's new tokens alone, each equal to a fresh forward of that model."""
+    by_mode = {mode: of(records, "alternate", mode) for mode in MODES}
+    for records_of_request in zip(*by_mode.values()):
+        reference = records_of_request[0]
+        if not reference.swapped:
+            assert all(r.quality is None for r in records_of_request)
+            continue
+        turn = turns[reference.request]
+        baselines = reference.quality.baselines
+        assert reference.quality.continuation == baselines["reference"]
+        for record in records_of_request:
+            assert record.quality.continuation_tokens == len(turn.continuation) == 32
+            assert record.quality.baselines == baselines
+            assert 0 <= record.quality.continuation.accuracy <= 1
+        target = deployment.models[reference.model].model
+        source = deployment.models[deployment.other(reference.model)].model
+        new = turn.tokens[-turn.new_tokens :]
+        assert baselines["source"] == fresh_scores(source, turn.tokens, turn.continuation)
+        assert baselines["no_prefix"] == fresh_scores(target, new, turn.continuation)
+        own = fresh_scores(target, turn.tokens, turn.continuation)
+        assert baselines["reference"].nll == pytest.approx(own.nll, abs=1e-3)
 
 
 def test_reuse_never_exceeds_what_an_oracle_could_reuse(records):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from sgl_kvmap.bench.records import Quality, RequestRecord
+from sgl_kvmap.bench.records import Quality, RequestRecord, Scores
 from sgl_kvmap.bench.report import (
     DASH,
     FIGURES,
@@ -217,7 +217,7 @@ def test_markdown_has_the_header_and_the_rows():
     translated = table_line(markdown, "Swapped requests", "alternate", "translated")
     assert "85.0%" in translated and "80.0" in translated
     assert any(cell.startswith("0.40 [") for cell in translated)
-    quality_row = table_line(markdown, "Quality", "alternate", "translated")
+    quality_row = table_line(markdown, "Agreement", "alternate", "translated")
     assert quality_row[2] == "3" and quality_row[3].startswith("0.75 [")
     assert quality_row[-1] == "+0.100"
     assert "bootstrap" in markdown
@@ -303,3 +303,67 @@ def test_a_rerun_replaces_only_an_earlier_runs_own_files(tmp_path, monkeypatch):
     with pytest.raises(KVMapError, match="not a benchmark run's output"):
         save_run(RECORDS, HEADER, other)
     assert (other / "data.csv").read_text() == "1,2"
+
+
+# ---- the true continuation, against the baselines
+
+
+def judged(policy, mode, request, served, reference, source, no_prefix=0.1):
+    """A swapped request judged on a 32-token continuation: (accuracy, nll) per condition."""
+    baselines = {
+        "reference": Scores(*reference),
+        "source": Scores(*source),
+        "no_prefix": Scores(no_prefix, 5.0),
+    }
+    scored = Quality(1, 1.0, 1.0, 1.0, 32, Scores(*served), baselines)
+    return record(
+        policy, mode, request, swapped=True, ttft=0.1, computed=PROMPTS[request], quality=scored
+    )
+
+
+# per request: served, reference, source as (accuracy, nll)
+BEATS = [((0.6, 1.5), (0.7, 1.2), (0.4, 2.0)), ((0.5, 1.6), (0.6, 1.3), (0.3, 2.2))] * 2
+WORSE = [((0.2, 2.5), (0.7, 1.2), (0.4, 2.0)), ((0.1, 2.9), (0.6, 1.3), (0.3, 2.2))] * 2
+
+
+def scored_replay(policy, mode, rows):
+    return [judged(policy, mode, 1 + i % 3, *row) for i, row in enumerate(rows)]
+
+
+def test_retention_and_gap_closed_pool_accuracy_over_requests():
+    (row,) = summarize(scored_replay("p", "tail", BEATS))
+    assert row["continuation_requests"] == 4 and row["continuation_tokens"] == 128
+    assert row["continuation_accuracy"] == pytest.approx(
+        {"served": 0.55, "reference": 0.65, "source": 0.35, "no_prefix": 0.1}
+    )
+    assert row["continuation_nll"]["served"] == pytest.approx(1.55)
+    assert row["retention"] == pytest.approx(0.55 / 0.65)
+    assert row["gap_closed"] == pytest.approx((0.55 - 0.35) / (0.65 - 0.35))
+    low, high = row["gap_closed_ci"]
+    assert 0 < low <= row["gap_closed"] <= high and row["verdict"] == "beats"
+
+
+def test_the_verdict_reads_the_gap_closed_interval():
+    rows = summarize([*scored_replay("a", "reprefill", BEATS), *scored_replay("a", "tail", WORSE)])
+    worse = rows[1]
+    assert worse["gap_closed"] < 0 and worse["gap_closed_ci"][1] < 0
+    assert worse["verdict"] == "worse"
+    markdown = summary_markdown(
+        [*scored_replay("b", "translated", BEATS), *scored_replay("a", "tail", WORSE)], HEADER
+    )
+    assert "beats staying on the source model in 1 of 2 translating replays" in markdown
+    assert "does worse in 1" in markdown
+    line = table_line(markdown, "Swapped requests against", "a", "translated + tail")
+    assert line[-1] == "worse than staying"
+
+
+def test_a_gap_undefined_where_the_reference_does_not_beat_staying():
+    rows = [((0.5, 1.0), (0.4, 1.0), (0.4, 1.0))] * 3  # reference == source: no gap to close
+    (row,) = summarize(scored_replay("p", "tail", rows))
+    assert row["gap_closed"] is None and row["gap_closed_ci"] is None and row["verdict"] is None
+
+
+def test_scored_records_round_trip_through_json():
+    records = scored_replay("p", "tail", BEATS)
+    lines = [json.dumps(record.to_json()) for record in records]
+    assert [RequestRecord.from_json(json.loads(line)) for line in lines] == records

@@ -312,6 +312,42 @@ def test_agentic_turns_grow_by_an_answer_stand_in_and_the_new_messages(tmp_path,
     assert not set(other_answer) & set(answer)  # each (session, turn) has its own stand-in
 
 
+def test_a_mooncake_continuation_is_the_held_out_text_right_after_the_prompt(tmp_path, held_out):
+    """The stand-in tokenizer gives token ids that are the held-out characters in stream order
+    (1000, 1001, ...), so the true next tokens of a prompt are its last token's successors:
+    within its last block, and across the block's end into the stream's next window."""
+    rows = [request(0, [0, 1, 2], 600), request(10, [0, 1, 2, 3], 1024)]  # 150, 256 tokens
+    trace = write_jsonl(tmp_path / "t.jsonl", rows)
+    config = WorkloadConfig(trace=trace, scale=4, max_prompt_tokens=None, page_size=8)
+    first, second = load_workload(config, code_points, held_out)
+    for turn in (first, second):
+        last = turn.tokens[-1]
+        assert turn.continuation == tuple(range(last + 1, last + 33))
+    assert first.tokens[-1] == 1000 + 149  # mid block 1: the rest of block 1 follows
+    assert second.continuation[0] == 1000 + 2 * 128  # block 1 ends: the next window (block 2)
+    assert second.tokens[: len(first.tokens) + 32][-32:] == first.continuation  # the next turn
+
+
+def test_an_agentic_continuation_is_the_answer_the_next_turn_carries(tmp_path, held_out):
+    config = WorkloadConfig(
+        trace=agentic_trace(tmp_path / "a.json"),
+        scale=1,
+        max_prompt_tokens=None,
+        page_size=8,
+        continuation_tokens=40,
+    )
+    turns = load_workload(config, code_points, held_out)
+    first, second, _ = (t for t in turns if t.session == 0)
+    assert len(first.continuation) == 40
+    assert second.tokens[len(first.tokens) : len(first.tokens) + 40] == first.continuation
+
+
+@pytest.mark.parametrize("tokens", [0, -1, 4097, 1.5, True])
+def test_a_continuation_length_out_of_range_is_refused(tokens):
+    with pytest.raises(KVMapError, match="continuation_tokens"):
+        WorkloadConfig(continuation_tokens=tokens)
+
+
 def test_agentic_scale_cuts_answers_and_messages(tmp_path, held_out):
     config = WorkloadConfig(
         trace=agentic_trace(tmp_path / "a.json"), scale=4, max_prompt_tokens=None, page_size=8

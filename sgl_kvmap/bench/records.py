@@ -25,19 +25,57 @@ REFERENCE_MODE = "reprefill"  # the target on its own cache: the quality referen
 TRANSLATING_MODES = tuple(m for m in MODES if m != REFERENCE_MODE)
 
 
+BASELINES = ("reference", "source", "no_prefix")
+BASELINE_TITLES = {
+    "reference": "the target re-prefilled",
+    "source": "staying on the source model",
+    "no_prefix": "the target without the history",
+}
+
+
+@dataclass
+class Scores:
+    """Teacher-forced scores on a request's true continuation (``Turn.continuation``): top-1
+    next-token accuracy and mean negative log-likelihood (nats/token)."""
+
+    accuracy: float
+    nll: float
+
+
 @dataclass
 class Quality:
-    """A swapped request's answer against the re-prefill answer to the same prompt.
+    """A swapped request's answer under one mode's cache, beside the baselines a user weighs.
 
-    agreement: the share of re-prefill's first ``tokens`` greedy answer tokens that this mode's
-    greedy answer reproduces before it first departs from it (``agreement``); nll: the
-    teacher-forced mean negative log-likelihood (nats/token) of re-prefill's greedy answer under
-    this mode's cache; reference_nll: the same under re-prefill's own cache."""
+    On the trace's true continuation (``continuation_tokens`` tokens of held-out text after the
+    prompt): ``continuation``, this mode's scores, and ``baselines``, the same request's scores
+    under each of ``BASELINES``: ``reference`` (the target on its own cache, the re-prefill
+    replay), ``source`` (the model the session was on, which the swap left: staying there) and
+    ``no_prefix`` (the target on this turn's new tokens alone).
+
+    Against re-prefill's greedy answer: ``agreement`` is the share of its first ``tokens``
+    tokens that this mode's greedy answer reproduces before it first departs from it
+    (``agreement``); ``nll`` the teacher-forced mean NLL (nats/token) of that answer under this
+    mode's cache, ``reference_nll`` the same under re-prefill's own cache."""
 
     tokens: int
     agreement: float
     nll: float
     reference_nll: float
+    continuation_tokens: int = 0
+    continuation: Scores | None = None
+    baselines: dict[str, Scores] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: dict) -> Quality:
+        scores = data.get("continuation")
+        baselines = data.get("baselines") or {}
+        return cls(
+            **{
+                **data,
+                "continuation": Scores(**scores) if scores else None,
+                "baselines": {name: Scores(**value) for name, value in baselines.items()},
+            }
+        )
 
 
 def agreement(answer: Sequence[int], reference: Sequence[int], tokens: int) -> float:
@@ -65,7 +103,7 @@ class RequestRecord:
     computed: int  # tokens prefilled by the engine
     fallbacks: dict[str, int] = field(default_factory=dict)  # untranslated pages, by reason
     ttft_s: float = 0.0  # prefetch + load-back + prefill + the first token
-    quality: Quality | None = None  # swapped requests in a translating mode
+    quality: Quality | None = None  # swapped requests (in the reference mode: its own scores)
 
     def __post_init__(self):
         if set(self.reused) != set(TIERS):
@@ -84,4 +122,4 @@ class RequestRecord:
     @classmethod
     def from_json(cls, data: dict) -> RequestRecord:
         quality = data.get("quality")
-        return cls(**{**data, "quality": Quality(**quality) if quality else None})
+        return cls(**{**data, "quality": Quality.from_json(quality) if quality else None})

@@ -13,12 +13,15 @@ the store, no translation: the target recomputes what it never cached itself), `
 translated run recomputed). The hand-off repair of the library (anchors recomputed by the target)
 has no place in SGLang's prefetch path, so it is not a mode here.
 
-Quality, on swapped requests: the reprefill replay's greedy answer (``quality_tokens`` tokens) is
-the reference; a translating mode's answer is judged against it teacher-forced, one forward over
-the reference answer: ``agreement`` is the fraction of the reference that the mode's own greedy
-decoding reproduces before it first departs from it (until the first difference both decode the
-same context, so this is exactly the greedy answers' common prefix), ``nll`` the reference
-answer's mean negative log-likelihood.
+Quality, on swapped requests, teacher-forced on the trace's true continuation
+(``Turn.continuation``, held-out text after the prompt): each mode's top-1 accuracy and NLL
+under the cache it served, beside the baselines (``records.BASELINES``) measured once in the
+reprefill replay: the target on its own cache (reference), staying on the source model (its full
+forward over the prompt) and the target on the turn's new tokens alone. And against the
+reprefill replay's greedy answer (``quality_tokens`` tokens), one forward over it: ``agreement``
+is the fraction of the reference that the mode's own greedy decoding reproduces before it first
+departs from it (until the first difference both decode the same context, so this is exactly the
+greedy answers' common prefix), ``nll`` the reference answer's mean negative log-likelihood.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch
 from ..core.errors import KVMapError
 from ..models.capture import LoadedModel, run
 from ..sglang.launch import PrefetchDeadline
-from .records import MODES, REFERENCE_MODE, Quality, RequestRecord, agreement
+from .records import MODES, REFERENCE_MODE, Quality, RequestRecord, Scores, agreement
 from .workload import Turn
 
 MODE_SETTINGS = {
@@ -59,10 +62,12 @@ class Deployment:
 
 @dataclass
 class Answer:
-    """A request's greedy answer and its mean NLL (nats/token) under the cache that made it."""
+    """A swapped request's greedy answer and its mean NLL (nats/token) under the cache that made
+    it (the target's own), and the baselines' scores on its true continuation (BASELINES)."""
 
     tokens: list[int]
     nll: float
+    baselines: dict[str, Scores] = field(default_factory=dict)
 
 
 @dataclass
@@ -125,7 +130,7 @@ def replay(
             records = []
             for i in range(len(plan.turns)):
                 engine = engines[plan.models[i]]
-                record, slots = _serve(engine, plan, i, mode, quality_tokens)
+                record, slots = _serve(engine, deployment, plan, i, mode, quality_tokens)
                 records.append(record)
                 if inspect:
                     inspect(engines, i, slots, record)
@@ -153,7 +158,9 @@ def _extra_config(
     return sglang_extra_config(settings, store, deadline if settings.translate else None)
 
 
-def _serve(engine, plan: ReplayPlan, i: int, mode: str, quality_tokens: int):
+def _serve(
+    engine, deployment: Deployment, plan: ReplayPlan, i: int, mode: str, quality_tokens: int
+):
     """One request through ``engine``: timed to its first token, judged if it was swapped."""
     tokens = list(plan.turns[i].tokens)
     started = time.perf_counter()
@@ -166,7 +173,7 @@ def _serve(engine, plan: ReplayPlan, i: int, mode: str, quality_tokens: int):
     tiers = engine.last_tiers
     quality = None
     if plan.swapped[i]:
-        quality = _judge(engine, plan, i, mode, slots, logits[-1], quality_tokens)
+        quality = _judge(engine, deployment, plan, i, mode, slots, logits[-1], quality_tokens)
     engine.finish(req, logits)
     turn = plan.turns[i]
     record = RequestRecord(
@@ -193,19 +200,68 @@ def _serve(engine, plan: ReplayPlan, i: int, mode: str, quality_tokens: int):
     return record, slots
 
 
-def _judge(engine, plan, i, mode, slots, last_logits, quality_tokens) -> Quality | None:
-    """The reference answer (reprefill: made and stored here) and this mode's quality."""
+def _judge(engine, deployment, plan, i, mode, slots, last_logits, quality_tokens) -> Quality:
+    """This mode's quality on swapped request ``i``; the reprefill replay first makes and stores
+    the reference answer and the baselines' scores."""
     model = engine.model.model
     cache = engine.pool_kv(slots)
+    turn = plan.turns[i]
+    served = continuation_scores(model, cache, last_logits, turn.continuation)
     if mode == REFERENCE_MODE:
         answer = greedy_answer(model, cache, last_logits, quality_tokens)
         nll, _ = teacher_forced(model, cache, last_logits, answer)
-        plan.references[plan.turns[i].request] = Answer(answer, nll)
-        return None
-    reference = plan.references[plan.turns[i].request]
+        baselines = {} if served is None else _baselines(deployment, plan, i, served)
+        plan.references[turn.request] = Answer(answer, nll, baselines)
+    reference = plan.references[turn.request]
     nll, predicted = teacher_forced(model, cache, last_logits, reference.tokens)
     tokens = len(reference.tokens)
-    return Quality(tokens, agreement(predicted, reference.tokens, tokens), nll, reference.nll)
+    return Quality(
+        tokens,
+        agreement(predicted, reference.tokens, tokens),
+        nll,
+        reference.nll,
+        continuation_tokens=len(turn.continuation),
+        continuation=served,
+        baselines=dict(reference.baselines),
+    )
+
+
+def _baselines(deployment: Deployment, plan: ReplayPlan, i: int, reference: Scores) -> dict:
+    """Request ``i``'s baselines: the target's own cache (``reference``), the source model it
+    was swapped from over the whole prompt, the target over the turn's new tokens alone."""
+    turn = plan.turns[i]
+    target = plan.models[i]
+    new = turn.tokens[len(turn.tokens) - max(1, turn.new_tokens) :]
+    return {
+        "reference": reference,
+        "source": fresh_scores(
+            deployment.models[deployment.other(target)].model, turn.tokens, turn.continuation
+        ),
+        "no_prefix": fresh_scores(deployment.models[target].model, new, turn.continuation),
+    }
+
+
+def continuation_scores(
+    model, cache, last_logits: torch.Tensor, continuation: tuple[int, ...]
+) -> Scores | None:
+    """``continuation``'s teacher-forced scores after a prompt whose KV is ``cache`` and whose
+    last logits are ``last_logits: [vocab]`` (None for an empty continuation)."""
+    if not continuation:
+        return None
+    nll, predicted = teacher_forced(model, cache, last_logits, list(continuation))
+    return Scores(_accuracy(predicted, continuation), nll)
+
+
+@torch.no_grad()
+def fresh_scores(model, prompt: tuple[int, ...], continuation: tuple[int, ...]) -> Scores:
+    """``continuation``'s teacher-forced scores after ``prompt``, the model computing it all."""
+    out = run(model, torch.tensor([*prompt, *continuation[:-1]]), logits_to_keep=len(continuation))
+    nll = torch.nn.functional.cross_entropy(out.logits, torch.tensor(continuation)).item()
+    return Scores(_accuracy(out.logits.argmax(-1).tolist(), continuation), nll)
+
+
+def _accuracy(predicted: list[int], truth: tuple[int, ...]) -> float:
+    return sum(p == t for p, t in zip(predicted, truth)) / len(truth)
 
 
 @torch.no_grad()

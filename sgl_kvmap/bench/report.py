@@ -18,7 +18,15 @@ from pathlib import Path
 import numpy as np
 
 from ..core.files import staged_file
-from .records import MODE_TITLES, MODES, REFERENCE_MODE, TIERS, RequestRecord
+from .records import (
+    BASELINE_TITLES,
+    BASELINES,
+    MODE_TITLES,
+    MODES,
+    REFERENCE_MODE,
+    TIERS,
+    RequestRecord,
+)
 
 HEADER_KEYS = (
     "command",
@@ -92,6 +100,7 @@ def summary_row(replay: list[RequestRecord], reference: list[RequestRecord] | No
         **ttft_stats(swapped),
         **ttft_ratio(pairs),
         **quality_stats(swapped if replay[0].mode != REFERENCE_MODE else []),
+        **continuation_stats(swapped),
     }
 
 
@@ -159,6 +168,95 @@ def quality_stats(swapped: list[RequestRecord]) -> dict:
     }
 
 
+CONTINUATION_CONDITIONS = ("served", *BASELINES)  # this mode's cache, then the baselines
+
+
+def continuation_stats(swapped: list[RequestRecord]) -> dict:
+    """Scores on the true continuation of the swapped requests judged with every baseline:
+    mean accuracy and NLL per condition (``CONTINUATION_CONDITIONS``), retention (accuracy over
+    the reference's) and gap closed ((accuracy - staying on the source) / (reference - staying)),
+    pooled over requests with bootstrap intervals, and the verdict on staying (``verdict``)."""
+    judged = [
+        record.quality
+        for record in swapped
+        if record.quality is not None
+        and record.quality.continuation is not None
+        and set(BASELINES) <= set(record.quality.baselines)
+    ]
+    scores = {
+        metric: np.array(
+            [
+                [
+                    getattr(q.continuation, metric),
+                    *(getattr(q.baselines[b], metric) for b in BASELINES),
+                ]
+                for q in judged
+            ]
+        ).reshape(len(judged), len(CONTINUATION_CONDITIONS))
+        for metric in ("accuracy", "nll")
+    }
+    accuracy = scores["accuracy"]
+    condition = {name: i for i, name in enumerate(CONTINUATION_CONDITIONS)}
+    retention_columns = accuracy[:, [condition["served"], condition["reference"]]]
+    gap_columns = accuracy[:, [condition["served"], condition["source"], condition["reference"]]]
+    gap_ci = bootstrap_interval(gap_columns, gap_closed) if judged else None
+    return {
+        "continuation_requests": len(judged),
+        "continuation_tokens": sum(q.continuation_tokens for q in judged),
+        "continuation_accuracy": _means(accuracy) if judged else None,
+        "continuation_nll": _means(scores["nll"]) if judged else None,
+        "retention": float(retention(retention_columns)) if judged else None,
+        "retention_ci": bootstrap_interval(retention_columns, retention) if judged else None,
+        "gap_closed": _finite(gap_closed(gap_columns)) if judged else None,
+        "gap_closed_ci": gap_ci,
+        "verdict": verdict(gap_ci),
+    }
+
+
+def _means(scores: np.ndarray) -> dict[str, float]:
+    return {name: float(scores[:, i].mean()) for i, name in enumerate(CONTINUATION_CONDITIONS)}
+
+
+def _finite(value: np.ndarray) -> float | None:
+    return float(value) if np.isfinite(value) else None
+
+
+def retention(accuracy: np.ndarray) -> np.ndarray:
+    """accuracy: [..., requests, 2] (served, reference) -> [...] pooled served / reference
+    (NaN where the reference scores 0)."""
+    served, reference = accuracy[..., 0].mean(-1), accuracy[..., 1].mean(-1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(reference > 0, served / reference, np.nan)
+
+
+def gap_closed(accuracy: np.ndarray) -> np.ndarray:
+    """accuracy: [..., requests, 3] (served, source, reference) -> [...] pooled
+    (served - source) / (reference - source): 1 where the swap does as well as re-prefill, 0
+    where it does no better than staying on the source, below 0 where it does worse (NaN where
+    the reference does not beat the source)."""
+    served, source, reference = (accuracy[..., i].mean(-1) for i in range(3))
+    spread = reference - source
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(spread > 1e-12, (served - source) / spread, np.nan)
+
+
+VERDICTS = {
+    "beats": "beats staying",
+    "worse": "worse than staying",
+    "unresolved": "not resolved",
+}
+
+
+def verdict(gap_ci: list[float] | None) -> str | None:
+    """Whether swapping beats staying on the source model, from the gap-closed interval: its
+    low end above 0 ("beats"), its high end below 0 ("worse"), else "unresolved"."""
+    if gap_ci is None:
+        return None
+    if gap_ci[0] > 0:
+        return "beats"
+    return "worse" if gap_ci[1] < 0 else "unresolved"
+
+
 def mean_over_requests(values: np.ndarray) -> np.ndarray:
     """values: [..., requests] -> [...]."""
     return np.mean(values, axis=-1)
@@ -170,12 +268,16 @@ def bootstrap_interval(
     """The percentile bootstrap interval (CONFIDENCE) of ``statistic`` over resampled requests.
 
     samples: [requests, ...]; statistic maps [draws, requests, ...] to [draws]. None under two
-    requests. The seed is fixed, so a report is reproducible."""
+    requests, or when the statistic is undefined (NaN) on most resamples (the rest are kept).
+    The seed is fixed, so a report is reproducible."""
     if len(samples) < 2:
         return None
     estimates = bootstrap_estimates(samples, statistic, np.random.default_rng(BOOTSTRAP_SEED))
+    defined = estimates[np.isfinite(estimates)]  # a ratio is undefined on some resamples
+    if defined.size * 2 <= estimates.size:
+        return None
     tail = (1 - CONFIDENCE) / 2 * 100
-    low, high = np.percentile(estimates, [tail, 100 - tail])
+    low, high = np.percentile(defined, [tail, 100 - tail])
     return [float(low), float(high)]
 
 
@@ -203,7 +305,9 @@ def summary_markdown(records: list[RequestRecord], header: dict) -> str:
         "# sgl-kvmap bench: prefix reuse across model swaps",
         header_markdown(header),
         "## Swapped requests\n\n" + swapped_table(rows),
-        "## Quality of translated prefixes\n\n" + quality_table(rows),
+        "## Swapped requests against the baselines, on the true continuation\n\n"
+        + continuation_section(rows),
+        "## Agreement with re-prefill's greedy answer\n\n" + quality_table(rows),
         "## All requests\n\n" + all_requests_table(rows),
         "## Method\n\n" + METHOD,
     ]
@@ -254,6 +358,52 @@ def ttft_ratio_cell(row: dict) -> str:
     if row["mode"] == REFERENCE_MODE and row["ttft_ratio"] is not None:
         return "1 (reference)"
     return with_interval(row["ttft_ratio"], row["ttft_ratio_ci"])
+
+
+def continuation_section(rows: list[dict]) -> str:
+    """The verdict line, then one row per replay with continuation scores."""
+    judged = [row for row in rows if row["continuation_requests"]]
+    if not judged:
+        return "No swapped request was judged on its true continuation in this run."
+    columns = ["policy", "mode", "judged requests"]
+    columns += [f"accuracy: {name}" for name in ("this mode", *CONDITION_HEADINGS)]
+    columns += [f"retention [{CONFIDENCE:.0%} CI]", f"gap closed [{CONFIDENCE:.0%} CI]"]
+    columns += ["NLL: this mode", "NLL: re-prefill", "NLL: staying", "verdict"]
+    table = markdown_table(columns, [continuation_cells(row) for row in judged])
+    return verdict_line(judged) + "\n\n" + table
+
+
+CONDITION_HEADINGS = ("re-prefill", "staying on the source", "no prefix")  # BASELINES' order
+
+
+def continuation_cells(row: dict) -> list[str]:
+    accuracy, nll = row["continuation_accuracy"], row["continuation_nll"]
+    return [
+        *row_label(row),
+        str(row["continuation_requests"]),
+        *[decimal(accuracy[name]) for name in CONTINUATION_CONDITIONS],
+        with_interval(row["retention"], row["retention_ci"]),
+        with_interval(row["gap_closed"], row["gap_closed_ci"]),
+        decimal(nll["served"]),
+        decimal(nll["reference"]),
+        decimal(nll["source"]),
+        VERDICTS.get(row["verdict"], DASH) if row["mode"] != REFERENCE_MODE else "reference",
+    ]
+
+
+def verdict_line(rows: list[dict]) -> str:
+    """One line: in how many translating replays a swap beats staying on the source model."""
+    translating = [row for row in rows if row["mode"] != REFERENCE_MODE]
+    if not translating:
+        return "**Verdict**: no translating replay in this run."
+    counts = {key: sum(row["verdict"] == key for row in translating) for key in VERDICTS}
+    undecided = len(translating) - counts["beats"] - counts["worse"]
+    return (
+        f"**Verdict**: a translated swap beats staying on the source model in "
+        f"{counts['beats']} of {len(translating)} translating replays (gap closed above 0 "
+        f"over its whole interval), does worse in {counts['worse']}, and is not resolved in "
+        f"{undecided}."
+    )
 
 
 def quality_table(rows: list[dict]) -> str:
@@ -335,7 +485,17 @@ METHOD = f"""\
 - Intervals are {CONFIDENCE:.0%} percentile bootstrap intervals over requests
   ({BOOTSTRAP_RESAMPLES} resamples, seed {BOOTSTRAP_SEED}; the TTFT ratio resamples pairs of
   requests); none under two requests.
-- Quality compares each translating mode's answer with the {MODE_TITLES[REFERENCE_MODE]}
+- On the true continuation (held-out text after each prompt, the same tokens for every
+  mode), each swapped request is scored teacher-forced (top-1 accuracy and mean NLL in
+  nats/token) under the cache that served it and under the baselines: the target re-prefilled
+  ({BASELINE_TITLES["reference"]}: the {MODE_TITLES[REFERENCE_MODE]} replay), staying on the
+  source model ({BASELINE_TITLES["source"]}, computing the whole prompt) and no prefix
+  ({BASELINE_TITLES["no_prefix"]}: the turn's new tokens only). Retention is the mode's accuracy
+  over re-prefill's; gap closed is (mode - staying) / (re-prefill - staying), pooled over the
+  requests: above 0 the swap beats staying, 1 is as good as re-prefill. The verdict reads the
+  gap-closed interval: "beats staying" when all of it is above 0, "worse than staying" when all
+  of it is below.
+- Agreement compares each translating mode's answer with the {MODE_TITLES[REFERENCE_MODE]}
   answer to the same prompt: greedy agreement is the share of the reference answer the mode's
   greedy decoding reproduces before it first departs from it (their common prefix), NLL the
   mean negative log-likelihood (nats/token) of the reference answer under the mode's cache,

@@ -28,6 +28,12 @@ no arrival times: their turns come round by round (every session's turn 0, then 
 with ``arrival_s`` 0.0, and the output length is a turn's ``output_tokens`` or
 ``completion_tokens`` when present, else ``DEFAULT_AGENTIC_OUTPUT_TOKENS`` (SGLang's default).
 
+True next tokens. Each request keeps ``continuation_tokens`` tokens of held-out text that follow
+its prompt, which the benchmark scores answers on (``Turn.continuation``): for a Mooncake
+prompt, the stream after its last token (the rest of its last block, then the text that follows
+that block in the stream); for an agentic prompt, the stand-in of this turn's answer (the text
+the next turn's prompt carries as the previous answer).
+
 Scale. ``scale`` S divides the block size (512 // S tokens) and every length (at least 1), so a
 CPU can replay the trace's reuse structure at 1/S of its length.
 
@@ -50,6 +56,8 @@ from ..core.strict_json import loads_finite
 TRACE_BLOCK_TOKENS = 512  # the Mooncake trace's prefix block
 DEFAULT_TRACE = Path(__file__).with_name("data") / "mooncake_conversation_trace.jsonl"
 SESSION_MIN_SHARED_BLOCKS = 2  # block 0 opens every request: sharing it says nothing
+CONTINUATION_TOKENS = 32  # true next tokens scored per request
+MAX_CONTINUATION_TOKENS = 4096
 DEFAULT_AGENTIC_OUTPUT_TOKENS = 220  # sglang.benchmark.datasets.agentic_trace's default
 AGENTIC_OUTPUT_KEYS = ("output_tokens", "completion_tokens")
 MOONCAKE_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
@@ -71,6 +79,8 @@ class Turn:
     new_tokens: int  # tokens beyond the previous turn's prompt (the whole prompt on turn 0)
     output_tokens: int  # the trace's (scaled) answer length
     text: str | None = None  # the last user message's text when the trace has text, else None
+    continuation: tuple[int, ...] = ()  # the held-out text right after the prompt (its true next
+    # tokens, ``WorkloadConfig.continuation_tokens``): what the benchmark scores answers on
 
 
 @dataclass(frozen=True)
@@ -84,13 +94,26 @@ class WorkloadConfig:
     max_turns: int = 4
     max_prompt_tokens: int | None = 768  # after scaling; None: no cap
     page_size: int = 64  # sglang-args' --page-size; blocks of 512 / scale tokens must fill pages
+    continuation_tokens: int = CONTINUATION_TOKENS  # true next tokens kept per request
 
     def __post_init__(self):
-        for name in ("scale", "sessions", "min_turns", "max_turns", "page_size"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+        for name in (
+            "scale",
+            "sessions",
+            "min_turns",
+            "max_turns",
+            "page_size",
+            "continuation_tokens",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise KVMapError(
                     f"workload {name} must be a positive integer, got {getattr(self, name)!r}"
                 )
+        if self.continuation_tokens > MAX_CONTINUATION_TOKENS:
+            raise KVMapError(
+                f"continuation_tokens {self.continuation_tokens} is above {MAX_CONTINUATION_TOKENS}"
+            )
         if self.max_turns < self.min_turns:
             raise KVMapError(f"max_turns {self.max_turns} is below min_turns {self.min_turns}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
@@ -331,14 +354,34 @@ def select_requests(
     return sorted(chain.from_iterable(chosen))
 
 
+def block_slots(block_ids: Iterable[int]) -> dict[int, int]:
+    """Each distinct block id's window number in the stream (in id order): block ``b``'s tokens
+    are the stream's ``[slot * block_tokens, (slot + 1) * block_tokens)``."""
+    return {block: slot for slot, block in enumerate(sorted(set(block_ids)))}
+
+
 def block_windows(
-    stream: TokenStream, block_ids: Iterable[int], block_tokens: int
+    stream: TokenStream, slots: dict[int, int], block_tokens: int
 ) -> dict[int, tuple[int, ...]]:
-    """Each distinct block id's own window ``[block_tokens]`` of the stream (in id order)."""
+    """Each block id's own window ``[block_tokens]`` of the stream (``block_slots``)."""
     return {
-        block: stream.window(slot * block_tokens, block_tokens)
-        for slot, block in enumerate(sorted(set(block_ids)))
+        block: stream.window(slot * block_tokens, block_tokens) for block, slot in slots.items()
     }
+
+
+def mooncake_continuation(
+    stream: TokenStream,
+    slots: dict[int, int],
+    hash_ids: Sequence[int],
+    prompt_tokens: int,
+    config: WorkloadConfig,
+) -> tuple[int, ...]:
+    """The ``config.continuation_tokens`` stream tokens right after a prompt's last token: the
+    rest of its last block's text, then the text that follows it in the held-out stream."""
+    last = prompt_tokens - 1
+    block = hash_ids[last // config.block_tokens]
+    at = slots[block] * config.block_tokens + last % config.block_tokens + 1
+    return stream.window(at, config.continuation_tokens)
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -355,9 +398,8 @@ def mooncake_workload(
     lineages = derive_sessions([r.hash_ids for r in requests])
     lengths = [mooncake_prompt_length(r, config) for r in requests]
     chosen = select_requests(lineages, lengths, config)
-    blocks = block_windows(
-        stream, (b for i in chosen for b in requests[i].hash_ids), config.block_tokens
-    )
+    slots = block_slots(b for i in chosen for b in requests[i].hash_ids)
+    blocks = block_windows(stream, slots, config.block_tokens)
     prompts = {
         i: tuple(chain.from_iterable(blocks[b] for b in requests[i].hash_ids))[: lengths[i]]
         for i in chosen
@@ -378,6 +420,9 @@ def mooncake_workload(
                 tokens=tokens,
                 new_tokens=len(tokens) - shared,
                 output_tokens=config.scaled(requests[index].output_length),
+                continuation=mooncake_continuation(
+                    stream, slots, requests[index].hash_ids, lengths[index], config
+                ),
             )
         )
     return turns
@@ -503,6 +548,7 @@ def agentic_session(
                 new_tokens=len(answer) + len(message_ids),
                 output_tokens=agentic_output_tokens(raw, config),
                 text=last_user_text(raw["messages"]),
+                continuation=stream.window(answers_at + used, config.continuation_tokens),
             )
         )
     return SessionTurns(turns, used)
