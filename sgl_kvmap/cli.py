@@ -21,7 +21,7 @@ from click.core import ParameterSource
 
 from .bench.records import MODES
 from .bench.run import BenchConfig
-from .bench.workload import WorkloadConfig
+from .bench.workload import MAX_CONTINUATION_TOKENS, WorkloadConfig
 from .core.errors import KVMapError
 from .core.manifest import MAX_COUNT
 from .fitting.config import (
@@ -831,6 +831,14 @@ def demo(
     help="Greedy answer tokens judged on each swapped request.",
 )
 @click.option(
+    "--continuation-tokens",
+    type=click.IntRange(1, MAX_CONTINUATION_TOKENS),
+    default=WORKLOAD.continuation_tokens,
+    show_default=True,
+    help="Tokens of the trace's held-out text after each prompt on which swapped requests are "
+    "scored against re-prefill, staying on the source model and no prefix.",
+)
+@click.option(
     "--device-tokens",
     type=click.IntRange(min=64),
     default=BENCH.device_tokens,
@@ -888,6 +896,7 @@ def bench(
     policies,
     modes,
     quality_tokens,
+    continuation_tokens,
     device_tokens,
     seed,
     live,
@@ -918,7 +927,15 @@ def bench(
     check_out(out)
 
     workload = _config(
-        ctx, WorkloadConfig, trace, scale, sessions, min_turns, max_turns, max_prompt_tokens
+        ctx,
+        WorkloadConfig,
+        trace,
+        scale,
+        sessions,
+        min_turns,
+        max_turns,
+        max_prompt_tokens,
+        continuation_tokens=continuation_tokens,
     )
     config = _config(
         ctx, BenchConfig, workload, policies, modes, quality_tokens, device_tokens, seed
