@@ -243,6 +243,9 @@ class KVMapStorage(HiCacheStorage):
         self._staged: dict[str, Job] = {}  # page key -> the job translating it
         self._timeouts = _prefetch_timeouts()
         self._lock = threading.RLock()  # HiCache reads and writes from different threads
+        # a write's verdict and store, and a delivery's look for this engine's own page, are
+        # each made whole under it: the one sees the other's outcome, never half of it
+        self._own_pages = threading.Lock()
         self._stats_file = _stats_file(self.settings, storage_config)
         self._published: dict = {}
 
@@ -502,14 +505,37 @@ class KVMapStorage(HiCacheStorage):
         pages, crcs = result.pages[offset : offset + wanted], result.crcs[offset : offset + wanted]
         if result.short is not None and len(pages) < wanted:
             self._fallback(result.short.reason, str(result.short))
-        size = self.page.page_size
+        size, translated = self.page.page_size, 0
         for i, (key, page, crc) in enumerate(zip(keys, pages, crcs)):
-            self.mem_pool_host.set_from_flat_data_page(int(host_indices[i * size]), page)
-            self.provenance.delivered(key, crc)
+            slot = int(host_indices[i * size])
+            with self._own_pages:
+                if self._load_own(key, slot):
+                    continue
+                self.mem_pool_host.set_from_flat_data_page(slot, page)
+                self.provenance.delivered(key, crc)
+            translated += 1
             if self.settings.audit_translations:
                 self.inner.set(key + AUDIT_SUFFIX, page)
-        self._count("translated_pages_delivered", len(pages))
+        self._count("translated_pages_delivered", translated)
         return len(pages)
+
+    def _load_own(self, key: str, slot: int) -> bool:
+        """Copy page ``key`` into host slot ``slot`` if this engine has stored it as its own
+        since the transfer began (native pages win). That happens when SGLang cut this
+        prefetch while its transfer waited for the job and the engine computed the page
+        itself: the translation is never used, so it must not enter the provenance ledger,
+        where it would withhold every page the engine computes after its own."""
+        if not self.inner.exists(key):
+            return False
+        try:
+            page = self.inner.get(key, self.mem_pool_host.get_dummy_flat_data_page())
+        except OSError:  # a page file of another size: the translation stands
+            return False
+        if page is None:
+            return False
+        self.mem_pool_host.set_from_flat_data_page(slot, page)
+        self._count("native_pages")
+        return True
 
     def _job_for(self, keys: list[str]) -> Job | None:
         """The job translating ``keys[0]`` onwards; one is started if none is (SGLang may
@@ -534,8 +560,9 @@ class KVMapStorage(HiCacheStorage):
             host.get_data_page(int(host_indices[i * host.page_size])) for i in range(len(keys))
         ]
         crcs = [page_crc32(page) for page in pages] if self.provenance is not None else []
-        keep = self._storable(prefix, list(keys), crcs)
-        stored = bool(self.inner.batch_set(list(keys[:keep]), pages[:keep])) if keep else True
+        with self._own_pages:
+            keep = self._storable(prefix, list(keys), crcs)
+            stored = bool(self.inner.batch_set(list(keys[:keep]), pages[:keep])) if keep else True
         if stored and keep and self.identity is not None:
             self._write_records(prefix, keys[:keep], crcs[:keep])
         self._count("stored_pages", keep if stored else 0)
