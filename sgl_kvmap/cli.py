@@ -33,7 +33,7 @@ from .fitting.config import (
     PackRecipe,
     TuneConfig,
 )
-from .models.transfer import Repair
+from .models.transfer import ANCHOR_CHOICES, Repair
 from .sglang.launch import (
     DEVICES,
     MAX_PAGE_SIZE,
@@ -177,9 +177,9 @@ def _tune_steps(tuning: TuneConfig | None) -> int:
     return 0 if tuning is None else tuning.steps
 
 
-def _repair(anchors: int, draft: int, sweeps: int) -> Repair | None:
-    """The repair --anchors/--draft/--sweeps ask for (0 anchors: none)."""
-    return Repair(anchors, draft, sweeps) if anchors else None
+def _repair(anchors: int, draft: int, sweeps: int, choice: str = "draft") -> Repair | None:
+    """The repair --anchors/--draft/--sweeps (and --anchor-choice) ask for (0 anchors: none)."""
+    return Repair(anchors, draft, sweeps, choice) if anchors else None
 
 
 def _repair_options(repair: Repair | None, anchors_help: str, draft_help: str):
@@ -595,8 +595,18 @@ def tune(
 @_repair_options(
     EVAL.repair,
     anchors_help="Also score the hand-off repair: translated tokens the target recomputes, "
-    "picked by the source's draft (0: off).",
-    draft_help="Tokens the source drafts to pick them.",
+    "picked as --anchor-choice says (0: off).",
+    draft_help="Tokens the source drafts to pick them (--anchor-choice draft).",
+)
+@click.option(
+    "--anchor-choice",
+    type=click.Choice(ANCHOR_CHOICES),
+    default="draft",
+    show_default=True,
+    help="What picks the anchors: the source's draft; the source's attention from its last "
+    "tail + 1 prompt tokens (what a source engine computes in its prefill); the target's "
+    "attention from its own tail over the translated cache (a target pass over the tail first); "
+    "or the tokens just before the tail (a longer tail).",
 )
 @click.option(
     "--speed-tokens",
@@ -622,6 +632,7 @@ def eval_(
     anchors,
     draft,
     sweeps,
+    anchor_choice,
     speed_tokens,
     as_json,
 ) -> None:
@@ -633,7 +644,11 @@ def eval_(
     from .models.timing import measure_speed
 
     _check_tail(ctx, tail, prefix_len, "--prefix-len")
-    repair = _config(ctx, _repair, anchors, draft, sweeps)
+    if speed_tokens and anchors and anchor_choice != "draft":
+        raise click.BadParameter(
+            "the timing covers anchors picked by the draft only", ctx, param_hint="'--speed-tokens'"
+        )
+    repair = _config(ctx, _repair, anchors, draft, sweeps, anchor_choice)
     config = _config(ctx, EvalConfig, prefix_len, continuation, tail, windows, repair, speed_tokens)
     mapper = KVMapper.from_pretrained(pack)
     source, target = load_models_for(mapper, source_path, target_path)

@@ -189,3 +189,16 @@ def test_an_overflowing_map_is_reported_as_broken_not_scored_nan(tiny_pair, text
     windows = eval_windows(target.tokenizer, expand_paths([text_dir / "eval"]), 80, 1)
     with pytest.raises(KVMapError, match="mapped.* is not finite"):
         evaluate(broken, source, target, windows, prefix_len=48, continuation=32, tail=8)
+
+
+def test_evaluated_recent_anchors_score_as_a_longer_tail(tiny_pair, tiny_mapper, text_dir):
+    """The "recent" choice recomputes the tokens just before the tail: its repaired hand-off
+    scores as the tail hand-off with that many more tail tokens, window by window."""
+    source, target = tiny_pair
+    windows = eval_windows(target.tokenizer, expand_paths([text_dir / "eval"]), 80, 2)
+    recent = evaluate(
+        tiny_mapper, source, target, windows, 64, 16, tail=4, repair=Repair(8, choice="recent")
+    )
+    longer = evaluate(tiny_mapper, source, target, windows, 64, 16, tail=12)
+    assert [w["repaired"] for w in recent.by_window] == [w["mapped_tail"] for w in longer.by_window]
+    assert "8 anchors by recency" in recent.table()

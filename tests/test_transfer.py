@@ -13,12 +13,16 @@ from sgl_kvmap.models.capture import (
     run,
 )
 from sgl_kvmap.models.transfer import (
+    ANCHOR_CHOICES,
     Repair,
     draft_anchors,
     draft_attention,
     handoff,
     handoff_split,
     lookup_guess,
+    pick_anchors,
+    source_prompt_anchors,
+    target_tail_anchors,
     top_attended,
     translate_prefix,
 )
@@ -185,3 +189,104 @@ def test_repair_settings_are_checked():
     parallel = "8 anchors by a 32-token source draft (2 parallel sweeps)"
     assert str(Repair(8, 32, sweeps=2)) == parallel
     assert str(Repair(8, 2)) == "8 anchors by a 2-token source draft"
+
+
+class ExplodingModel:
+    """A model that must not run: any call or attribute read fails the test."""
+
+    def __call__(self, *args, **kwargs):
+        raise AssertionError("the source model was called")
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the source model was read ({name})")
+
+
+@pytest.mark.parametrize("choice", ANCHOR_CHOICES)
+def test_each_choice_picks_distinct_translated_tokens(tiny_pair, tiny_mapper, choice):
+    """Never a sink, a tail token or the last token; as many as asked, ascending, distinct."""
+    source, target = tiny_pair
+    mapper = dataclasses.replace(tiny_mapper, sink_tokens=3)
+    ids = torch.randint(0, 100, (40,))
+    tail, repair = 6, Repair(anchors=7, choice=choice)
+    split = handoff_split(40, tail)
+    cache = capture_kv(source.model, ids[:split])
+    anchors = pick_anchors(repair, mapper, cache, ids, tail, source.model, target.model)
+    assert anchors.numel() == 7 and anchors.min() >= 3 and anchors.max() < split
+    assert torch.equal(anchors, anchors.unique())  # unique() sorts
+    every = pick_anchors(
+        Repair(99, choice=choice), mapper, cache, ids, tail, source.model, target.model
+    )
+    assert torch.equal(every, torch.arange(3, split))  # capped at the translated, non-sink ones
+
+
+def test_source_prompt_anchors_are_what_the_sources_prompt_pass_attends(tiny_pair):
+    """Reference: the source's own forward over the whole prompt, its last tail + 1 queries."""
+    source = tiny_pair[0].model
+    ids = torch.randint(0, 100, (40,))
+    tail = 6
+    split = handoff_split(40, tail)
+    whole = run(source, ids, want_queries=True)
+    paid = attention_paid([q[-(tail + 1) :] for q in whole.queries], whole.cache.keys)
+    want = top_attended(paid[:split], 5, 2)
+    for cached in (split, 40):  # the source's cache may hold the whole prompt
+        got = source_prompt_anchors(source, capture_kv(source, ids[:cached]), ids, 5, tail, 2)
+        assert torch.equal(got, want)
+
+
+def test_target_tail_anchors_over_an_exact_cache_are_the_targets_own_pick(tiny_pair):
+    """Over the target's own cache of the translated tokens, the target's tail pass attends as
+    its full forward over the prompt does: the same anchors."""
+    target = tiny_pair[1].model
+    ids = torch.randint(0, 100, (40,))
+    tail = 6
+    split = handoff_split(40, tail)
+    whole = run(target, ids, want_queries=True)
+    paid = attention_paid([q[-(tail + 1) :] for q in whole.queries], whole.cache.keys)
+    got = target_tail_anchors(target, capture_kv(target, ids[:split]), ids, 5, 2)
+    assert torch.equal(got, top_attended(paid[:split], 5, 2))
+
+
+def test_target_tail_handoff_runs_the_target_only(tiny_pair, tiny_mapper):
+    """The source model is never called: a source whose every use fails changes nothing."""
+    source, target = tiny_pair
+    mapper = dataclasses.replace(tiny_mapper, sink_tokens=2)
+    ids = torch.randint(0, 100, (40,))
+    tail, repair = 5, Repair(anchors=6, choice="target_tail")
+    split = handoff_split(40, tail)
+    cache = capture_kv(source.model, ids[:split])
+    got = handoff(mapper, cache, ids, target.model, tail, repair, ExplodingModel())
+    anchors = pick_anchors(repair, mapper, cache, ids, tail, target_model=target.model)
+    repaired = translate_prefix(mapper, cache, ids[:split], target.model, anchors)
+    want = run(target.model, ids[split:], past=repaired, logits_to_keep=1)
+    assert_same_cache(got.cache, want.cache)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4)
+    plain = handoff(mapper, cache, ids, target.model, tail)
+    assert not torch.allclose(got.cache.keys[1][anchors], plain.cache.keys[1][anchors])
+
+
+def test_recent_anchors_are_a_longer_tail(tiny_pair, tiny_mapper):
+    """A anchors just before a t-token tail: the same cache and logits as a (t + A)-token tail."""
+    source, target = tiny_pair
+    mapper = dataclasses.replace(tiny_mapper, sink_tokens=2)
+    ids = torch.randint(0, 100, (40,))
+    cache = capture_kv(source.model, ids)
+    recent = Repair(anchors=8, choice="recent")
+    got = handoff(mapper, cache, ids, target.model, 5, recent, ExplodingModel())
+    want = handoff(mapper, cache, ids, target.model, 13)
+    for g, w in zip(got.cache.keys + got.cache.values, want.cache.keys + want.cache.values):
+        assert torch.equal(g, w)
+    assert torch.equal(got.logits, want.logits)
+
+
+def test_choices_refuse_a_missing_model(tiny_pair, tiny_mapper):
+    source, target = tiny_pair
+    ids = torch.randint(0, 100, (30,))
+    cache = capture_kv(source.model, ids)
+    for choice in ("draft", "source_prompt"):
+        with pytest.raises(KVMapError, match="needs the source model"):
+            pick_anchors(Repair(4, choice=choice), tiny_mapper, cache, ids, 3, None, target.model)
+    with pytest.raises(KVMapError, match="needs the target model"):
+        pick_anchors(Repair(4, choice="target_tail"), tiny_mapper, cache, ids, 3, source.model)
+    with pytest.raises(KVMapError, match="anchor choice must be one of"):
+        Repair(4, choice="oracle")
+    assert str(Repair(8, choice="recent")) == "8 anchors by recency (a longer tail)"

@@ -24,7 +24,7 @@ from ..core.mapper import KVMapper
 from ..core.rope import unrope
 from ..core.spec import check_models, tables_for_spec
 from ..models.capture import LoadedModel, run
-from ..models.transfer import Repair, draft_anchors, handoff_split, translate_prefix
+from ..models.transfer import Repair, handoff_split, pick_anchors, translate_prefix
 from .config import EvalConfig
 
 INTERVAL_LEVEL = 0.9  # of the ratios' bootstrap intervals over windows
@@ -409,7 +409,7 @@ def evaluate(
     Pass the same ``runs`` (an EvalRuns over these windows) to several calls to reuse the
     models' own passes (they stay memoised); without it each window's passes are dropped once
     it is scored. ``repair``: also score the hand-off that recomputes the tail and the
-    repair's anchors (picked by the source's draft after the prompt).
+    repair's anchors (picked as ``repair.choice`` says: ``transfer.pick_anchors``).
     """
     check_models(mapper, source.spec, target.spec)
     shared = runs is not None  # a caller's runs are kept for its next call; our own are not
@@ -473,7 +473,7 @@ def _evaluate_window(
         anchors = None
         if plan is not None:
             prompt = window[:prefix_len]
-            anchors = draft_anchors(source.model, src.cache, prompt, plan, t, mapper)
+            anchors = pick_anchors(plan, mapper, src.cache, prompt, t, source.model, target.model)
         translated = translate_prefix(
             mapper, src.cache.slice(0, split), window[:split], target.model, anchors
         )

@@ -18,6 +18,13 @@ last queries pick worse: see docs/LOG.md.) Greedy decoding is serial, one
 source forward per drafted token; a parallel draft (``Repair.sweeps``) guesses the draft by
 prompt lookup (``lookup_guess``: code and chat repeat their context) and refines the guess in a
 few parallel forwards (Jacobi iterations, whose fixed point is the greedy draft).
+
+The draft needs the source model at hand-off time; in serving the source is another engine.
+``Repair.choice`` picks the anchors in a way serving can afford instead (``pick_anchors``):
+"source_prompt" by the attention of the source's last prompt queries (what the source engine
+computes in its own prefill and could write beside its pages), "target_tail" by the attention
+of the target's own queries over the translated cache, "recent" the tokens just before the tail
+(a longer tail).
 """
 
 from __future__ import annotations
@@ -38,6 +45,9 @@ from .capture import (
     run,
 )
 
+ANCHOR_CHOICES = ("draft", "source_prompt", "target_tail", "recent")
+"""How ``Repair`` picks its anchors (``pick_anchors``)."""
+
 
 @dataclass(frozen=True)
 class Repair:
@@ -50,15 +60,24 @@ class Repair:
     sweeps: 0 decodes the draft serially (``draft - 1`` source forwards of one token each);
     s >= 1 drafts in parallel: a prompt-lookup guess refined by s source forwards over the
     whole draft (Jacobi iterations; s >= draft - 1 gives the greedy draft's queries exactly).
+    choice: what picks the anchors, one of ``ANCHOR_CHOICES``: "draft" (the source's draft
+    above), "source_prompt" (``source_prompt_anchors``), "target_tail"
+    (``target_tail_anchors``) or "recent" (``recent_anchors``); draft and sweeps serve
+    "draft" only.
     """
 
     anchors: int
     draft: int = 2  # at 240 anchors as good as a 32-token draft (docs/LOG.md)
     sweeps: int = 0
+    choice: str = "draft"
 
     def __post_init__(self) -> None:
         if self.anchors < 0 or self.draft < 1 or self.sweeps < 0:
             raise KVMapError(f"need anchors >= 0, draft >= 1 and sweeps >= 0, got {self!r}")
+        if self.choice not in ANCHOR_CHOICES:
+            raise KVMapError(
+                f"anchor choice must be one of {', '.join(ANCHOR_CHOICES)}, got {self.choice!r}"
+            )
 
     @classmethod
     def parse(cls, text: str) -> Repair:
@@ -72,6 +91,8 @@ class Repair:
         return cls(*numbers)
 
     def __str__(self) -> str:
+        if self.choice != "draft":
+            return f"{self.anchors} anchors by {_CHOICE_NAMES[self.choice]}"
         text = f"{self.anchors} anchors by a {self.draft}-token source draft"
         if not self.sweeps:
             return text
@@ -113,10 +134,11 @@ def handoff(
 
     source_cache: the source's KV of (at least) the first ``handoff_split(P, tail)`` tokens.
     Maps them, then one forward of ``target_model`` computes the sink tokens (over the mapped
-    cache, replacing their mapped rows), the ``repair`` anchors (picked by ``source_model``'s
-    draft, see ``draft_anchors``), the ``tail`` tokens and the last prompt token. The same
-    result as ``translate_prefix`` followed by a forward over the rest of the prompt, at the
-    cost of one forward. ``exact_first_layer``: the target's own layer 0 for the translated
+    cache, replacing their mapped rows), the ``repair`` anchors (picked as ``repair.choice``
+    says, see ``pick_anchors``: "draft" and "source_prompt" need ``source_model``), the
+    ``tail`` tokens and the last prompt token. The same result as ``translate_prefix``
+    followed by a forward over the rest of the prompt, at the cost of one forward (and what
+    the choice costs). ``exact_first_layer``: the target's own layer 0 for the translated
     tokens (``capture.first_layer_kv``). Returns the target's cache of all P tokens and the
     logits ``[1, vocab]`` of the last one.
     """
@@ -127,14 +149,14 @@ def handoff(
         )
     if split == 0:
         return run(target_model, token_ids, logits_to_keep=1)
-    anchors = None
-    if repair is not None and repair.anchors:
-        if source_model is None:
-            raise KVMapError("a hand-off with repair needs the source model (it drafts)")
-        anchors = draft_anchors(source_model, source_cache, token_ids, repair, tail, mapper)
     mapped = mapped_prefix(
         mapper, source_cache.slice(0, split), token_ids[:split], target_model, exact_first_layer
     )
+    anchors = None
+    if repair is not None and repair.anchors:
+        anchors = pick_anchors(
+            repair, mapper, source_cache, token_ids, tail, source_model, target_model, mapped
+        )
     positions = handoff_positions(token_ids.numel(), tail, mapper.sink_tokens, anchors)
     return forward_scattered(target_model, mapped, token_ids, positions, logits_to_keep=1)
 
@@ -155,6 +177,107 @@ def mapped_prefix(
     dtype = mapped.keys[0].dtype
     mapped.keys[0], mapped.values[0] = keys.to(dtype), values.to(dtype)
     return mapped
+
+
+def pick_anchors(
+    repair: Repair,
+    mapper: KVMapper,
+    source_cache: KVCache,
+    token_ids: torch.Tensor,
+    tail: int,
+    source_model=None,
+    target_model=None,
+    mapped: KVCache | None = None,
+) -> torch.Tensor:
+    """The ``repair.anchors`` translated tokens of a hand-off of ``token_ids: [P]``, picked as
+    ``repair.choice`` says: [A] ascending indices in [sink_tokens, handoff_split(P, tail)).
+
+    source_cache: the source's KV of (at least) the translated tokens. "draft" and
+    "source_prompt" run ``source_model``; "target_tail" runs ``target_model`` over ``mapped``
+    (the target's cache of the translated tokens, ``mapped_prefix``; made here if None);
+    "recent" runs nothing. KVMapError if the model the choice runs is missing.
+    """
+    split, sinks = handoff_split(token_ids.numel(), tail), mapper.sink_tokens
+    side = _CHOICE_RUNS[repair.choice]
+    if side and {"source": source_model, "target": target_model}[side] is None:
+        raise KVMapError(f"picking anchors by {repair.choice!r} needs the {side} model")
+    if repair.choice == "draft":
+        return draft_anchors(source_model, source_cache, token_ids, repair, tail, mapper)
+    if repair.choice == "source_prompt":
+        return source_prompt_anchors(
+            source_model, source_cache, token_ids, repair.anchors, tail, sinks
+        )
+    if repair.choice == "recent":
+        return recent_anchors(split, repair.anchors, sinks)
+    if mapped is None:
+        mapped = mapped_prefix(
+            mapper, source_cache.slice(0, split), token_ids[:split], target_model
+        )
+    return target_tail_anchors(target_model, mapped, token_ids, repair.anchors, sinks)
+
+
+def source_prompt_anchors(
+    source_model,
+    source_cache: KVCache,
+    token_ids: torch.Tensor,
+    count: int,
+    tail: int,
+    sink_tokens: int,
+) -> torch.Tensor:
+    """The ``count`` translated tokens (of the prompt ``token_ids: [P]``) that the source's
+    queries of the last ``tail + 1`` prompt tokens (the ones the target recomputes) attend to
+    most: [count] ascending indices in [sink_tokens, handoff_split(P, tail)).
+
+    A source engine computes these queries in its own prefill, so it could score its pages
+    as it writes them, at no extra forward; here the source re-reads those tokens over
+    ``source_cache`` (its KV of at least the translated tokens) to get them.
+    """
+    split = handoff_split(token_ids.numel(), tail)
+    paid = prompt_attention(source_model, source_cache, token_ids, tail + 1)
+    return top_attended(paid[:split], count, sink_tokens)
+
+
+def prompt_attention(model, cache: KVCache, token_ids: torch.Tensor, queries: int) -> torch.Tensor:
+    """Attention ``model`` pays each prompt token (``token_ids: [P]``) from the queries of the
+    last ``queries`` prompt tokens, summed over them, mean over layers and heads: [P].
+
+    cache: the model's KV of the first c >= P - ``queries`` tokens (c >= 1); the model reads
+    the prompt's last tokens over it (one forward of at most ``queries`` tokens' cost more)."""
+    cached = min(len(cache), token_ids.numel() - queries)
+    if cached < 1 or queries < 1:
+        raise KVMapError(
+            f"prompt attention needs 1 <= queries < prompt ({token_ids.numel()}), got {queries}"
+        )
+    step = run(model, token_ids[cached:], past=cache.slice(0, cached), want_queries=True)
+    return attention_paid([q[-queries:] for q in step.queries], step.cache.keys)
+
+
+def target_tail_anchors(
+    target_model, mapped: KVCache, token_ids: torch.Tensor, count: int, sink_tokens: int
+) -> torch.Tensor:
+    """The ``count`` translated tokens that the TARGET's own queries of the rest of the prompt
+    (the tail and the last token, ``token_ids[len(mapped):]``) attend to most over the
+    translated cache: [count] ascending indices in [sink_tokens, len(mapped)).
+
+    mapped: the target's cache of the translated tokens ``token_ids[:T]`` (L x [T, kv_t, d_t],
+    ``mapped_prefix``). Uses the target only. Cost: a target forward over the sink tokens and
+    one over the tail and the last token (both reading the translated cache) before the
+    hand-off forward, which computes the tail again with the anchors recomputed: the tail's
+    tokens are computed twice and the hand-off waits for two more (serial) target forwards.
+    """
+    split = len(mapped)
+    sinks = torch.arange(min(sink_tokens, split))
+    cache = recompute_tokens(target_model, mapped, token_ids[:split], sinks)
+    step = run(target_model, token_ids[split:], past=cache, want_queries=True)
+    paid = attention_paid(step.queries, step.cache.keys)
+    return top_attended(paid[:split], count, sink_tokens)
+
+
+def recent_anchors(translated: int, count: int, sink_tokens: int) -> torch.Tensor:
+    """The ``count`` translated tokens just before the tail (of ``translated``, sinks never):
+    [count] ascending indices in [sink_tokens, translated). The hand-off then equals one with
+    a tail ``count`` tokens longer: the cheapest baseline, nothing runs to pick them."""
+    return torch.arange(max(sink_tokens, translated - count), translated)
 
 
 def draft_anchors(
@@ -297,6 +420,19 @@ def _with_sinks(anchors: torch.Tensor | None, sink_tokens: int, translated: int)
     if anchors.min() < 0 or anchors.max() >= translated:
         raise ValueError(f"anchors must lie in [0, {translated}), got {anchors}")
     return torch.cat((sinks, anchors)).unique()
+
+
+_CHOICE_RUNS = {
+    "draft": "source",
+    "source_prompt": "source",
+    "target_tail": "target",
+    "recent": None,
+}
+_CHOICE_NAMES = {
+    "source_prompt": "the source's attention from its last prompt tokens",
+    "target_tail": "the target's attention from its tail",
+    "recent": "recency (a longer tail)",
+}
 
 
 def handoff_split(prompt_len: int, tail: int) -> int:
