@@ -1180,14 +1180,13 @@ def push(pack, repo_id, revision, private, tag) -> None:
 @main.command()
 @click.argument("repo_id")
 @click.option("--revision", default=None, help="Branch, tag or commit (default: main).")
-def pull(repo_id, revision) -> None:
-    """Fetch the pack REPO_ID into the Hugging Face cache, verify it, print its folder."""
-    from .core.mapper import KVMapper
-    from .registry.packs import fetch_pack
+@click.option("--force", is_flag=True, help="Download the pack again even if it is in the cache.")
+def pull(repo_id, revision, force) -> None:
+    """Fetch the pack REPO_ID into the Hugging Face cache, verify it, print its folder (a
+    cached copy that fails its check is downloaded again)."""
+    from .registry.packs import pull_pack
 
-    folder = fetch_pack(repo_id, revision=revision)
-    KVMapper.from_pretrained(folder)
-    click.echo(str(folder))
+    click.echo(str(pull_pack(repo_id, revision=revision, force=force)))
 
 
 @main.command()

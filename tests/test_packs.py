@@ -162,7 +162,10 @@ def test_resolve_finds_the_conventional_repo_and_refuses_other_models(
     wrong_commit = push_pack(pack, conventional_id(hub, *wrong), token=hub.token)
     with pytest.raises(PackError, match="no mapper pack"):
         resolve_pack(*wrong, **common)
-    assert resolve_pack(*wrong, allow_mismatch=True, **common).name == wrong_commit
+    # nor with allow_mismatch: other's KV geometry is not the target's (issue 34)
+    with pytest.raises(PackError, match="no mapper pack"):
+        resolve_pack(*wrong, allow_mismatch=True, **common)
+    assert fetch_pack(conventional_id(hub, *wrong), cache_dir=online).name == wrong_commit
 
 
 def test_resolve_finds_a_pack_under_any_name_by_its_tags(hub, online, model_folders, tmp_path):

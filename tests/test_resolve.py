@@ -91,7 +91,7 @@ def test_pins_refuse_other_models_unless_told(model_folders, caches, caplog):
     )  # fmt: skip
     specs = (
         spec_from_pretrained(model_folders["source"]),
-        spec_from_pretrained(model_folders["other"]),
+        spec_from_pretrained(model_folders["target"]),
     )
     wrong_weights_same_shape = replace(specs[1], config={**specs[1].config, "rope_theta": 1.0})
     with pytest.raises(PairMismatchError, match="target"):

@@ -10,14 +10,17 @@ id where it takes a folder:
   ``push_to_hub``);
 - ``resolve``: the pack for a model pair from the caches, the Hub, or built here;
 - ``card``, ``naming``: the model card, conventional names and tags.
+
+It also gives every Hub request huggingface_hub sends a time limit (``hub.use_time_limits``).
 """
 
 from ..core.pack import use_registry
 from ..core.sources import use_model_source
-from .hub import model_folder
+from .hub import model_folder, use_time_limits
 from .packs import HubRegistry
 
 use_model_source(model_folder)
 use_registry(HubRegistry())
+use_time_limits()
 
 __all__ = ["HubRegistry", "model_folder"]

@@ -5,7 +5,12 @@ Hugging Face cache, the pair's conventional repo on the Hub, a tag search on the
 fingerprints matched here, and, when asked (``build``), a fit with the recipe asked for.
 Every candidate is checked against the models in use (their config and tokenizer
 fingerprints, read without loading weights); a mismatch is refused with what differs unless
-``allow_mismatch`` says otherwise, which is logged.
+``allow_mismatch`` says otherwise, which is logged. ``allow_mismatch`` never accepts a pack of
+another KV geometry (layers, KV heads, head dim of either model): its tensors cannot fill the
+models' caches. A candidate that cannot be fetched or read (no valid kvmap.json, a malformed
+card, a damaged download) is skipped with one logged line, and the next one is tried.
+
+Looking up packs writes nothing: a read-only cache serves the packs it holds.
 
 Packs built here are kept by pair and recipe: ``built/{pair}/recipe-{key}/pack``, where ``key``
 is ``PackRecipe.key()`` (a readable name and a hash of the whole recipe). A lookup that states
@@ -25,7 +30,7 @@ import logging
 from dataclasses import replace
 from pathlib import Path
 
-from huggingface_hub import cached_assets_path
+from huggingface_hub import constants
 from huggingface_hub.constants import is_offline_mode
 from huggingface_hub.utils import WeakFileLock
 
@@ -36,6 +41,7 @@ from ..core.pack import is_pack, read_config
 from ..core.spec import ModelSpec, check_models, check_pair, spec_from_pretrained
 from ..fitting.build import build_pack, build_pack_pair
 from ..fitting.config import PackRecipe, recipe_summary
+from .hub import check_caches, checked_namespace
 from .naming import repo_name
 from .packs import PackEntry, cached_packs, entry_of, fetch_pack, hub_packs
 
@@ -73,6 +79,8 @@ def resolve_pack(
     built packs go; ``recipe``: the recipe asked for, the only one whose pack built here is
     taken and the one a build uses. None states none: then any pack built here is taken (the
     default recipe's first, see the module docstring), and ``build`` states the default."""
+    namespace = checked_namespace(namespace or setting("HUB_NAMESPACE", DEFAULT_NAMESPACE))
+    check_caches(cache_dir, assets_dir)
     specs = spec_from_pretrained(source), spec_from_pretrained(target)
     check_pair(*specs)
     offline = local_files_only or is_offline_mode()
@@ -167,14 +175,12 @@ def keep_as_built(
 def built_pack_dir(
     source: ModelSpec, target: ModelSpec, assets_dir: str | Path | None = None
 ) -> Path:
-    """The folder of the packs built here for this pair (huggingface_hub's assets cache)."""
+    """The folder of the packs built here for this pair (huggingface_hub's assets cache; not
+    created here: a build makes it)."""
     name = repo_name(
         source.model_id, target.model_id, source.fingerprint, target.fingerprint, target.model_type
     )
-    key = f"{name}-{source.fingerprint[:8]}{target.fingerprint[:8]}"
-    return cached_assets_path(
-        library_name="sgl-kvmap", namespace="built", subfolder=key, assets_dir=assets_dir
-    )
+    return _built_root(assets_dir) / f"{name}-{source.fingerprint[:8]}{target.fingerprint[:8]}"
 
 
 def built_pack_folder(
@@ -238,11 +244,10 @@ def _stated(recipe: PackRecipe | None, build: bool) -> PackRecipe | None:
 
 
 def _built_root(assets_dir: str | Path | None) -> Path:
-    """The folder that holds a folder per pair of packs built here."""
-    some_pair = cached_assets_path(
-        library_name="sgl-kvmap", namespace="built", assets_dir=assets_dir
-    )  # huggingface_hub names a folder per pair inside the namespace folder
-    return some_pair.parent
+    """The folder that holds a folder per pair of packs built here: huggingface_hub's
+    ``cached_assets_path`` namespace folder, named as it names it, without creating it."""
+    root = Path(assets_dir or constants.HF_ASSETS_CACHE).expanduser().resolve()
+    return root / "sgl-kvmap" / "built"
 
 
 def _recipe_key(folder: Path) -> str | None:
@@ -307,12 +312,17 @@ def _save_built(mapper: KVMapper, summary: dict, folder: Path) -> Path:
     return mapper.save_pretrained(folder, overwrite=True)
 
 
+GEOMETRY = ("num_layers", "num_kv_heads", "head_dim")  # what a pack's tensors are shaped by
+
+
 def check_pins(
     folder: Path, specs: tuple[ModelSpec, ModelSpec], allow_mismatch: bool = False
 ) -> None:
     """Refuse the pack at ``folder`` if it was fitted for other models than ``specs``
-    (PairMismatchError naming what differs); ``allow_mismatch`` logs instead."""
+    (PairMismatchError naming what differs); ``allow_mismatch`` logs instead, except for
+    another KV geometry (``GEOMETRY`` of either model), which is always refused."""
     mapper = KVMapper.from_pretrained(folder)
+    check_geometry(folder, mapper, specs)
     try:
         check_models(mapper, *specs)
     except PairMismatchError as err:
@@ -321,11 +331,29 @@ def check_pins(
         log.warning("using %s although it does not match the models: %s", folder, err)
 
 
+def check_geometry(folder: Path, mapper: KVMapper, specs: tuple[ModelSpec, ModelSpec]) -> None:
+    """Refuse (PairMismatchError) a pack whose KV geometry is not the models': its maps read
+    and write caches of other shapes."""
+    for role, fitted, given in zip(("source", "target"), (mapper.source, mapper.target), specs):
+        differs = [
+            f"{name} {getattr(fitted, name)} vs {getattr(given, name)}"
+            for name in GEOMETRY
+            if getattr(fitted, name) != getattr(given, name)
+        ]
+        if differs:
+            raise PairMismatchError(
+                f"{folder}: this pack's {role} has another KV geometry than {given.model_id} "
+                f"({', '.join(differs)}); no pack of these shapes can serve it, even with "
+                "--allow-mismatch. Fit a pack for this pair with `sgl-kvmap fit`."
+            )
+
+
 def _fits(folder: Path, specs: tuple[ModelSpec, ModelSpec], allow_mismatch: bool) -> bool:
     """Whether the candidate pack ``folder`` loads and belongs to these models."""
     try:
         check_pins(folder, specs, allow_mismatch)
-    except PairMismatchError:
+    except PairMismatchError as err:
+        log.info("not using %s: %s", folder, err)
         return False
     except PackError as err:
         log.warning("skipping %s: %s", folder, err)
@@ -354,7 +382,6 @@ def _local_candidates(specs, cache_dir, assets_dir, recipe: PackRecipe | None) -
 def _hub_candidates(specs, namespace, cache_dir, token):
     """Folders of Hub packs for the pair, fetched lazily: the conventional name, then a search."""
     source, target = specs
-    namespace = namespace or setting("HUB_NAMESPACE", DEFAULT_NAMESPACE)
     name = repo_name(
         source.model_id, target.model_id, source.fingerprint, target.fingerprint, target.model_type
     )
@@ -369,8 +396,12 @@ def _hub_candidates(specs, namespace, cache_dir, token):
         log.warning("%s", err)
         return
     for entry in entries:
-        if _matches(entry, specs):
+        if not _matches(entry, specs):
+            continue
+        try:
             yield fetch_pack(entry.repo_id, revision=entry.commit, cache_dir=cache_dir, token=token)
+        except PackError as err:  # a repo tagged for the pair that holds no valid pack
+            log.warning("skipping %s: %s", entry.repo_id, err)
 
 
 __all__ = [
