@@ -20,7 +20,12 @@ from sgl_kvmap.bench.records import MODES, TIERS
 from sgl_kvmap.bench.replay import Deployment, ReplayPlan, fresh_scores, replay
 from sgl_kvmap.bench.routing import parse_policy, swapped
 from sgl_kvmap.bench.run import BenchConfig, plan, run_bench
-from sgl_kvmap.bench.workload import WorkloadConfig, ideal_reuse, load_workload
+from sgl_kvmap.bench.workload import (
+    WorkloadConfig,
+    ideal_reuse,
+    load_workload,
+    shared_opening,
+)
 from sgl_kvmap.core.cache import KVCache
 from sgl_kvmap.core.mapper import KVMapper
 from sgl_kvmap.kernels import fast_matmul_dtype
@@ -160,6 +165,34 @@ def test_swaps_are_scored_on_the_true_continuation_beside_the_baselines(deployme
         assert baselines["no_prefix"] == fresh_scores(target, new, turn.continuation)
         own = fresh_scores(target, turn.tokens, turn.continuation)
         assert baselines["reference"].nll == pytest.approx(own.nll, abs=1e-3)
+
+
+def test_the_levers_a_warm_opening_and_a_longer_tail(deployment, turns, records):
+    """``warm_opening``: every engine serves the shared opening (the trace's block 0, 4 pages)
+    before the replay, so a swap finds it on its own device and translates only what
+    follows; ``tail_pages`` 2: the tail mode recomputes two pages of every translated run."""
+    opening = shared_opening(turns, PAGE)
+    assert len(opening) == 32 and all(t.tokens[:32] == opening for t in turns)  # block 0
+    config = BenchConfig(
+        WorkloadConfig(scale=16, page_size=PAGE),
+        policies=("alternate",),
+        quality_tokens=2,
+        tail_pages=2,
+        warm_opening=True,
+        **UNTIMED,
+    )
+    levers = run_bench(deployment, turns, config)
+    cold = {(r.mode, r.request): r for r in of(records, "alternate", "translated")}
+    for record in levers:
+        if record.mode == "translated" and record.swapped:
+            before = cold["translated", record.request]
+            assert record.reused["translated"] <= before.reused["translated"]
+            assert record.reused["device"] + record.reused["host"] >= len(opening)
+    warm = {r.request: r for r in levers if r.mode == "translated"}
+    for record in levers:
+        if record.mode == "tail" and record.swapped and warm[record.request].reused["translated"]:
+            tail = warm[record.request].reused["translated"] - record.reused["translated"]
+            assert tail == min(2 * PAGE, warm[record.request].reused["translated"])
 
 
 def test_reuse_never_exceeds_what_an_oracle_could_reuse(records):

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from sgl_kvmap.core.cache import KVCache
+from sgl_kvmap.core.errors import KVMapError
 from sgl_kvmap.core.mapper import KVMapper
 from sgl_kvmap.kernels import fast_matmul_dtype
 from sgl_kvmap.models.capture import load_model, run
@@ -59,6 +60,7 @@ class Cluster:
         peer = PeerSettings(names[other], str(pack or self.deployment["packs"][other, i]))
         settings.setdefault("interface_v1", True)
         settings.setdefault("tail_pages", 0)  # every stored page translated, unless a test asks
+        settings.setdefault("quality_floor", None)  # the tiny packs record no measured gap
         ours = StorageSettings(translate=translate, peers=(peer,), **settings)
         return sglang_extra_config(ours, str(self.store))
 
@@ -268,6 +270,55 @@ def test_fallbacks_prefill_natively_and_count_the_reason(
     assert b.storage.counters[f"fallback.{reason}"] >= 1
     assert b.storage.counters["translated_pages_delivered"] == 0
     torch.testing.assert_close(served.logits, exact_logits(b, prompt))
+
+
+def pack_recording(folder, tmp_path, **metrics):
+    """A copy of the pack at ``folder`` whose metrics record ``metrics`` (as ``eval --record``
+    writes them)."""
+    mapper = KVMapper.from_pretrained(folder)
+    mapper.info["metrics"].update(metrics)
+    return mapper.save_pretrained(tmp_path / "recorded", overwrite=True)
+
+
+@pytest.mark.parametrize(
+    "tail_pages, metrics, floor, translates",
+    [
+        (0, {"eval_gap_closed": -0.2}, 0.0, False),  # worse than staying on the source
+        (0, {"eval_gap_closed": 0.0}, 0.0, False),  # no better than staying
+        (0, {"eval_gap_closed": 0.3}, 0.0, True),
+        (0, {"eval_gap_closed": 0.3}, 0.5, False),  # the operator asks for more
+        (1, {"eval_gap_closed": 0.3, "eval_gap_closed_tail": -0.1}, 0.0, False),  # the tail's
+        (1, {"eval_gap_closed": -0.3, "eval_gap_closed_tail": 0.1}, 0.0, True),
+        (0, {}, 0.0, False),  # nothing measured: cannot be shown to clear the floor
+        (0, {"eval_gap_closed": -0.9}, None, True),  # no floor
+    ],
+)
+def test_a_pack_translates_only_above_the_quality_floor(
+    cluster, deployment, tmp_path, tail_pages, metrics, floor, translates
+):
+    """The gap closed a pack records for the engine's mode (the tail's when it recomputes a
+    tail) must be above the floor; otherwise the peer is not used, the reason is counted, and
+    every request is prefilled exactly as without sgl-kvmap."""
+    prompt = tokens(4 * PAGE + 3, seed=23)
+    cluster.engine(0, translate=False).serve(prompt)
+    pack = pack_recording(deployment["packs"][0, 1], tmp_path, **metrics)
+    b = cluster.engine(1, pack=pack, tail_pages=tail_pages, quality_floor=floor)
+    served = b.serve(prompt)
+    delivered = b.storage.counters["translated_pages_delivered"]
+    assert (delivered > 0) == translates
+    assert b.storage.counters["fallback.pack_below_floor"] == (0 if translates else 1)
+    if not translates:
+        assert served.reused == 0
+        torch.testing.assert_close(served.logits, exact_logits(b, prompt))
+
+
+def test_the_default_floor_is_better_than_staying_on_the_source():
+    assert StorageSettings().quality_floor == 0.0
+    for floor in (float("nan"), 2.0, "0.1", True):
+        with pytest.raises(KVMapError, match="quality_floor"):
+            StorageSettings(quality_floor=floor)
+    extra = StorageSettings(quality_floor=None).to_extra_config()
+    assert StorageSettings.from_extra_config(extra).quality_floor is None
 
 
 def test_native_sinks_translate_after_a_first_page_of_its_own(cluster):
@@ -517,7 +568,9 @@ def test_tensor_parallel_ranks_translate_their_own_heads(
     store = str(tmp_path / "store")
     off = sglang_extra_config(StorageSettings(interface_v1=True), store)
     peer = PeerSettings(names[0], pack, tp_size=source_tp)
-    translating = StorageSettings(translate=True, interface_v1=True, peers=(peer,), tail_pages=0)
+    translating = StorageSettings(
+        translate=True, interface_v1=True, peers=(peer,), tail_pages=0, quality_floor=None
+    )
     on = sglang_extra_config(translating, store)
     prompt = tokens(4 * PAGE + 3, seed=30)
     source, target = TPGroup(models[0], names[0], off, source_tp, **UNTIMED), None
@@ -719,7 +772,9 @@ def test_the_transfer_uses_the_peer_whose_run_the_hit_query_promised(cluster, de
         PeerSettings(names[0], packs[0, 1]),
         PeerSettings("twin-of-a", packs[0, 1], model_path=names[0]),
     )
-    ours = StorageSettings(translate=True, interface_v1=True, peers=peers, tail_pages=0)
+    ours = StorageSettings(
+        translate=True, interface_v1=True, peers=peers, tail_pages=0, quality_floor=None
+    )
     b = Engine(deployment["models"][1], names[1], sglang_extra_config(ours, str(cluster.store)),
                **UNTIMED)  # fmt: skip
     cluster.engines.append(b)

@@ -30,7 +30,7 @@ from .live import LiveClient, LiveReplay, Reference, replay
 from .records import REFERENCE_MODE, RequestRecord
 from .replay import ReplayPlan
 from .run import BenchConfig, plan
-from .workload import Turn
+from .workload import Turn, shared_opening
 
 MODE_TAILS = {"translated": 0, "tail": StorageSettings.tail_pages}
 ROLES = ("small", "large")
@@ -85,7 +85,7 @@ def replay_live(
     (in reprefill) the answers the translating modes are judged against."""
     Path(setup.options.store_path).mkdir(parents=True, exist_ok=True)
     store = tempfile.mkdtemp(prefix=f"{mode}-", dir=setup.options.store_path)
-    options = mode_options(setup, mode, store)
+    options = mode_options(setup, mode, store, config.tail_pages)
     lines = mode_lines(setup, mode, options)
     logs = [setup.logs / f"{replay_plan.policy}-{mode}-{role}.log" for role in ROLES]
     stats = {role: Path(options.stats_path) / f"{role}_0_1.json" for role in ROLES}
@@ -93,6 +93,8 @@ def replay_live(
         with running_servers(lines, logs, setup.env) as servers:
             urls = {role: server.url for role, server in zip(ROLES, servers)}
             with LiveClient(urls, stats=stats) as client:
+                if config.warm_opening:
+                    warm(client, shared_opening(replay_plan.turns, options.page_size))
                 return replay(
                     replay_plan.turns,
                     replay_plan.models,
@@ -109,9 +111,20 @@ def replay_live(
         shutil.rmtree(store, ignore_errors=True)
 
 
-def mode_options(setup: LiveSetup, mode: str, store: str) -> LaunchOptions:
-    """The launch options of ``mode``'s replay over the store folder ``store``."""
-    return dataclasses.replace(setup.options, store_path=store, tail_pages=MODE_TAILS.get(mode, 0))
+def warm(client: LiveClient, opening: tuple[int, ...]) -> None:
+    """Each server serves the shared opening itself (and stores it) before the replay."""
+    for role in ROLES:
+        client.generate(role, opening, 1)
+        client.settle(role)
+
+
+def mode_options(
+    setup: LiveSetup, mode: str, store: str, tail_pages: int = MODE_TAILS["tail"]
+) -> LaunchOptions:
+    """The launch options of ``mode``'s replay over the store folder ``store`` (``tail_pages``:
+    what the ``tail`` mode recomputes)."""
+    tail = tail_pages if mode == "tail" else MODE_TAILS.get(mode, 0)
+    return dataclasses.replace(setup.options, store_path=store, tail_pages=tail)
 
 
 def mode_lines(setup: LiveSetup, mode: str, options: LaunchOptions) -> list[str]:

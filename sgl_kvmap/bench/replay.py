@@ -94,6 +94,7 @@ def replay(
     deadline: PrefetchDeadline = PrefetchDeadline(),
     prefetch_threshold: int | None = None,
     overrides: dict | None = None,
+    opening: tuple[int, ...] = (),
     on_request: Callable[[RequestRecord], None] | None = None,
     inspect: Callable | None = None,
 ) -> list[RequestRecord]:
@@ -103,10 +104,13 @@ def replay(
     lowers it, for tests' short prompts).
 
     The reprefill replay stores each swapped request's answer in ``plan.references``; the
-    translating modes need it (run reprefill first). ``overrides``: extra StorageSettings for
-    both engines (tests use it to force fallbacks); ``inspect(engines, i, slots, record)`` is
-    called after each request with both engines by model and the device slots of its prompt
-    (tests read the pools)."""
+    translating modes need it (run reprefill first). The engines translate with any pack (no
+    quality floor) unless ``overrides``, extra StorageSettings for both engines, set one (tests
+    also use it to force fallbacks); ``opening``: tokens every engine serves itself before the
+    first request (a warm shared opening: ``workload.shared_opening``; not recorded);
+    ``inspect(engines, i, slots, record)`` is called after
+    each request with both engines by model and the device slots of its prompt (tests read
+    the pools)."""
     if mode not in MODES:
         raise KVMapError(f"unknown mode {mode!r}; modes are {', '.join(MODES)}")
     if mode != REFERENCE_MODE and any(plan.swapped) and not plan.references:
@@ -127,6 +131,9 @@ def replay(
                     prefetch_threshold=prefetch_threshold,
                     prefetch_policy=deadline.policy,
                 )
+            if opening:
+                for engine in engines.values():
+                    engine.serve(list(opening))
             records = []
             for i in range(len(plan.turns)):
                 engine = engines[plan.models[i]]
@@ -153,7 +160,7 @@ def _extra_config(
         interface_v1=True,
         model_path=deployment.names[model],
         peers=(PeerSettings(deployment.names[peer], str(deployment.packs[peer, model])),),
-        **{**MODE_SETTINGS[mode], **overrides},
+        **{"quality_floor": None, **MODE_SETTINGS[mode], **overrides},
     )
     return sglang_extra_config(settings, store, deadline if settings.translate else None)
 

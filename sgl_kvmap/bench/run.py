@@ -21,9 +21,9 @@ from ..core.files import replacing_folder, writable_place
 from ..fitting.config import CalibrationConfig, PackRecipe
 from ..sglang.launch import PrefetchDeadline
 from .records import MODES, REFERENCE_MODE, RequestRecord
-from .replay import Deployment, ReplayPlan, replay
+from .replay import MODE_SETTINGS, Deployment, ReplayPlan, replay
 from .routing import DEFAULT_ROUTER_TOKENS, parse_policy, swapped
-from .workload import Turn, WorkloadConfig, ideal_reuse
+from .workload import Turn, WorkloadConfig, ideal_reuse, shared_opening
 
 # Packs the default run can build in minutes on a CPU when none is cached or on the Hub: both
 # directions from one pass over a quarter of the calibration default, 4 source layers per
@@ -51,7 +51,12 @@ class BenchConfig:
     device KV pool (its host pool is twice that, SGLang's default ratio); deadline: SGLang's
     prefetch stop policy and deadline (what ``sglang-args`` sets: measured on the machine by
     ``launch.measured_deadline``); prefetch_threshold: tokens a prefetch needs (None: SGLang's
-    own, as ``sglang-args`` leaves it)."""
+    own, as ``sglang-args`` leaves it); quality_floor: the engines' floor on the gap closed a
+    pack records (``StorageSettings.quality_floor``; None, the default here, measures what
+    translation does with any pack, where ``sglang-args`` would keep a pack below its floor
+    unused); tail_pages: the pages the ``tail`` mode recomputes; warm_opening: every engine
+    serves the slice's shared opening (``workload.shared_opening``) before the replay, so a
+    swap's first pages are its own."""
 
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     policies: tuple[str, ...] = BENCH_POLICIES
@@ -61,6 +66,9 @@ class BenchConfig:
     seed: int = 0
     deadline: PrefetchDeadline = field(default_factory=PrefetchDeadline)
     prefetch_threshold: int | None = None
+    quality_floor: float | None = None
+    tail_pages: int = MODE_SETTINGS["tail"]["tail_pages"]
+    warm_opening: bool = False
 
     def __post_init__(self) -> None:
         for name in self.policies:
@@ -68,6 +76,10 @@ class BenchConfig:
         unknown = sorted(set(self.modes) - set(MODES))
         if unknown or not self.modes:
             raise KVMapError(f"unknown mode(s) {unknown}; modes are {', '.join(MODES)}")
+        if isinstance(self.tail_pages, bool) or not isinstance(self.tail_pages, int):
+            raise KVMapError(f"tail_pages must be a whole number, got {self.tail_pages!r}")
+        if self.tail_pages < 1:
+            raise KVMapError(f"tail_pages of the tail mode must be >= 1, got {self.tail_pages}")
         if self.quality_tokens < 1:
             raise KVMapError(f"quality_tokens must be >= 1, got {self.quality_tokens}")
         if self.device_tokens < 2 * self.workload.page_size:
@@ -99,8 +111,10 @@ def run_bench(
 ) -> list[RequestRecord]:
     """Every (policy, mode) replay of ``turns``; the records in replay order."""
     records = []
+    opening = shared_opening(turns, config.workload.page_size) if config.warm_opening else ()
     for replay_plan, modes in plan(turns, config):
         for mode in modes:
+            tail = {"tail_pages": config.tail_pages} if mode == "tail" else {}
             records += replay(
                 deployment,
                 replay_plan,
@@ -110,6 +124,8 @@ def run_bench(
                 page_size=config.workload.page_size,
                 deadline=config.deadline,
                 prefetch_threshold=config.prefetch_threshold,
+                overrides={"quality_floor": config.quality_floor, **tail},
+                opening=opening,
                 on_request=on_request,
             )
     return records

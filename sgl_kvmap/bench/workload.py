@@ -602,6 +602,19 @@ def ideal_reuse(turns: list[Turn], page_size: int) -> list[int]:
     return reuse
 
 
+def shared_opening(turns: list[Turn], page_size: int) -> tuple[int, ...]:
+    """The opening every prompt of the slice shares (the Mooncake trace's block 0: a system
+    prompt), in whole pages, short of every prompt's last token: what each engine could hold
+    natively before any session arrives."""
+    shortest = min(len(turn.tokens) for turn in turns)
+    shared = shortest
+    first = turns[0].tokens
+    for turn in turns[1:]:
+        shared = min(shared, common_prefix_length(first, turn.tokens))
+    pages = min(shared, shortest - 1) // page_size
+    return tuple(first[: pages * page_size])
+
+
 def whole_pages(tokens: Sequence[int], page_size: int) -> list[tuple[int, ...]]:
     """``tokens`` cut into pages ``[page_size]``, a partial last page dropped."""
     whole = len(tokens) // page_size * page_size

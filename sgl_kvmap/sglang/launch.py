@@ -21,7 +21,7 @@ from pathlib import Path
 from ..core.errors import KVMapError
 from ..core.pack import read_config
 from ..core.spec import spec_from_pretrained
-from .settings import INNER_BACKENDS, PeerSettings, StorageSettings
+from .settings import INNER_BACKENDS, PeerSettings, StorageSettings, recorded_gap_closed
 
 PREFETCH_POLICIES = ("timeout", "wait_complete", "best_effort")
 DEVICES = ("cuda", "cpu")  # --device: SGLang's GPU engine, or its CPU engine
@@ -97,7 +97,8 @@ class LaunchOptions:
     the KV pool's size in tokens (``max_total_tokens``; SGLang sizes it from free memory
     without one), and KVMapStorage's settings for engines that translate (``tail_pages``,
     ``concurrent_translations``, ``audit_translations``: ``StorageSettings``). Every engine
-    keeps its counters in ``stats_path`` (a folder beside the store's pages)."""
+    keeps its counters in ``stats_path`` (a folder beside the store's pages). ``quality_floor``:
+    the gap closed a pack must record for an engine to use it (``StorageSettings``)."""
 
     store: str = StorageSettings.inner_backend
     store_path: str = STORE_PATH
@@ -107,8 +108,10 @@ class LaunchOptions:
     tail_pages: int = StorageSettings.tail_pages
     concurrent_translations: int = StorageSettings.concurrent_translations
     audit_translations: bool = False
+    quality_floor: float | None = StorageSettings.quality_floor
 
     def __post_init__(self) -> None:
+        StorageSettings(quality_floor=self.quality_floor)  # its checks
         if not 1 <= self.page_size <= MAX_PAGE_SIZE:
             raise KVMapError(f"page size must be 1 to {MAX_PAGE_SIZE} tokens, got {self.page_size}")
         if self.device not in DEVICES:
@@ -211,6 +214,29 @@ def peers_of(engines: list[EngineSpec], packs: list[str | Path]) -> dict[str, li
     return peers
 
 
+def floor_lines(
+    engines: list[EngineSpec], packs: list[str | Path], options: LaunchOptions
+) -> list[str]:
+    """One line per pack: the gap closed it records for the engines' mode and whether it clears
+    ``options.quality_floor`` (a pack that does not is not used: its swaps are prefilled)."""
+    settings = StorageSettings(tail_pages=options.tail_pages, quality_floor=options.quality_floor)
+    lines = []
+    for target, peers in peers_of(engines, packs).items():
+        for peer in peers:
+            metrics = read_config(Path(peer.pack)).get("metrics", {})
+            key, gap = recorded_gap_closed(metrics, options.tail_pages)
+            measured = f"records {key} {gap:.3f}" if gap is not None else f"records no {key}"
+            refusal = settings.floor_refusal(metrics)
+            if options.quality_floor is None:
+                verdict = "used (no quality floor)"
+            elif refusal:
+                verdict = f"NOT used, {target} prefills instead: {refusal}"
+            else:
+                verdict = f"used: above the quality floor {options.quality_floor:g}"
+            lines.append(f"pack {peer.model_name} -> {target} {measured}; {verdict}")
+    return lines
+
+
 def sglang_extra_config(
     settings: StorageSettings, store_path: str, deadline: PrefetchDeadline | None = None
 ) -> dict:
@@ -231,6 +257,7 @@ def _command(engine, peers, options: LaunchOptions, deadline) -> list[str]:
         model_path=engine.model_path,
         stats_path=options.stats_path,
         audit_translations=options.audit_translations and bool(peers),
+        quality_floor=options.quality_floor,
         peers=tuple(peers),
     )
     deadline = deadline if peers else None

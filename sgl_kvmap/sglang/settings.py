@@ -12,6 +12,7 @@ Every key of ours is type-checked when the server starts: a wrong type (``"trans
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -25,6 +26,10 @@ BACKEND = {
 INNER_BACKENDS = ("file",)
 SINK_POLICIES = ("translate", "native")
 MAX_CONCURRENT_TRANSLATIONS = 64
+# The gap closed a pack records (``EvalReport.summary()``, written by ``sgl-kvmap eval --record``
+# and the demo): with the target's tail recomputed, and translating every token.
+GAP_CLOSED_TAIL, GAP_CLOSED = "eval_gap_closed_tail", "eval_gap_closed"
+DEFAULT_QUALITY_FLOOR = 0.0  # better than staying on the source model
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,11 @@ class StorageSettings:
     every page a peer stored). concurrent_translations: swaps translated at once (each on a
     worker thread of its own; a swap arriving while all are busy is prefilled, counted); the
     prefetch deadline ``sglang-args`` sets covers this many at once.
+    quality_floor: the gap closed (``sgl-kvmap eval``: (translated - source) / (target -
+    source) in top-1 accuracy) a peer's pack must record above which this engine translates its
+    pages; a pack at or below it, or that records none, is not used (counted
+    ``pack_below_floor``: SGLang prefills). The default, 0, asks a translated prefix to be
+    better than staying on the source model; None translates with any pack.
     interface_v1: SGLang's own key, which must be on (positions and provenance come with the v1
     calls). model_path: this engine's model, if its served name is not a path or Hub id.
     stats_path: a folder where the engine keeps its counters as JSON (one file per TP rank,
@@ -93,6 +103,7 @@ class StorageSettings:
     model_path: str = ""
     stats_path: str = ""
     audit_translations: bool = False
+    quality_floor: float | None = DEFAULT_QUALITY_FLOOR
     peers: tuple[PeerSettings, ...] = ()
 
     def __post_init__(self) -> None:
@@ -112,6 +123,32 @@ class StorageSettings:
             )
         if self.sinks not in SINK_POLICIES:
             raise KVMapError(f"sinks must be one of {SINK_POLICIES}, got {self.sinks!r}")
+        floor = self.quality_floor
+        if floor is not None and (
+            type(floor) not in (int, float) or not -1 <= floor <= 1 or not math.isfinite(floor)
+        ):
+            raise KVMapError(
+                f"quality_floor must be a number from -1 to 1 (a gap closed) or null, got {floor!r}"
+            )
+
+    def floor_refusal(self, metrics: dict[str, Any]) -> str | None:
+        """Why a pack whose recorded ``metrics`` are these may not be used here (None: it may):
+        its gap closed (``recorded_gap_closed``) must be above ``quality_floor``."""
+        if self.quality_floor is None:
+            return None
+        key, gap = recorded_gap_closed(metrics, self.tail_pages)
+        if gap is None:
+            return (
+                f"the pack records no measured {key}, so it cannot be shown to clear the quality "
+                f"floor {self.quality_floor:g}: run `sgl-kvmap eval PACK --record` or serve with "
+                "quality_floor null"
+            )
+        if gap <= self.quality_floor:
+            return (
+                f"the pack's measured {key} {gap:.3f} is not above the quality floor "
+                f"{self.quality_floor:g} (0: staying on the source model does as well)"
+            )
+        return None
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> StorageSettings:
@@ -136,6 +173,16 @@ class StorageSettings:
             out[f.name] = value
         out["interface_v1"] = 1 if self.interface_v1 else 0
         return out
+
+
+def recorded_gap_closed(metrics: dict[str, Any], tail_pages: int) -> tuple[str, float | None]:
+    """The gap closed a pack's ``metrics`` record for an engine that recomputes ``tail_pages``
+    (the tail's figure when it recomputes any, else the whole translation's), by its key; None
+    when absent or not a finite number."""
+    key = GAP_CLOSED_TAIL if tail_pages else GAP_CLOSED
+    gap = metrics.get(key) if isinstance(metrics, dict) else None
+    finite = type(gap) in (int, float) and math.isfinite(gap)
+    return key, float(gap) if finite else None
 
 
 _TYPES = {"str": str, "bool": bool, "int": int}

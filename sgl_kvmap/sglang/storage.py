@@ -21,6 +21,9 @@ Rules (docs/sglang.md):
   holds is ever stored as this model's page: translated KV is never served as exact KV, nor
   becomes the source of a further translation. A write without prefix keys (PD decode-side
   offload) cannot be checked and stores nothing.
+- Quality floor: a peer's pack is used only when the gap closed it records is above the
+  operator's floor (``StorageSettings.quality_floor``; by default, better than staying on the
+  source model); otherwise none of that peer's pages is translated (``pack_below_floor``).
 - Fallback: a missing, damaged or mismatched pack, a page without a record or whose bytes do
   not match it, a record of another model, a peer with another page size or geometry,
   non-finite values read or translated, a failing peer store, a page lost after the hit query,
@@ -290,6 +293,9 @@ class KVMapStorage(HiCacheStorage):
             peer = spec_from_pretrained(settings.model_path)
             _check_tokenizers(mapper, peer, own)
             check_models(mapper, peer, own)
+            below = self.settings.floor_refusal(mapper.info.get("metrics", {}))
+            if below:
+                return self._fallback("pack_below_floor", f"peer {settings.model_name}: {below}")
             mapper = self._this_ranks_mapper(mapper)
             ranks = ranks_covering_heads(peer.num_kv_heads, settings.tp_size)
         except PackError as error:
@@ -771,7 +777,13 @@ def _stats_file(settings: StorageSettings, config: HiCacheStorageConfig) -> Path
         return None
     name = (config.model_name or "model").replace("/", "-")
     folder = Path(settings.stats_path)
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except (OSError, ValueError) as error:  # a file there, a NUL in it, no permission
+        raise KVMapError(
+            f"stats_path {settings.stats_path!r} cannot be a folder of counters ({error}); "
+            "give a folder this engine can write, or none"
+        ) from None
     return folder / f"{name}_{config.tp_rank}_{config.tp_size}.json"
 
 
