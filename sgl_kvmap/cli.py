@@ -3,7 +3,8 @@
 Bad input gets one clear line: click refuses a malformed or out-of-range option (exit 2, its
 usage format), and an error the library raises on purpose (``KVMapError``) or meets in the
 file system or on the network (``OSError``) is printed as ``error: <message>`` on stderr
-(exit 1; ``--verbose`` adds the traceback).
+(exit 1; ``--verbose`` adds the traceback). What a user typed is shown with its control
+characters escaped, and a reader that closes stdout early (``| head``) ends the command quietly.
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import select
 import shlex
+import sys
 import traceback
 from dataclasses import replace
 from pathlib import Path
@@ -75,18 +79,63 @@ class OneLineErrors(click.Group):
         ctx.meta.setdefault("argv", given)
         return ctx
 
+    def main(self, *args, **kwargs):
+        try:
+            return super().main(*args, **kwargs)
+        finally:  # what is still buffered for a reader that left shows here, not at exit
+            try:
+                sys.stdout.flush()
+            except BrokenPipeError:
+                _reader_gone()
+
     def invoke(self, ctx: click.Context):
+        argv = ctx.meta.get("argv", [])
         try:
             return super().invoke(ctx)
+        except click.ClickException as err:  # a usage error, raised as a subcommand parses
+            err.message = _one_line(err.message, argv)
+            raise
         except (KVMapError, OSError) as err:
+            if isinstance(err, BrokenPipeError) and _stdout_gone():
+                _reader_gone()
             if ctx.params.get("verbose"):
                 click.echo("".join(traceback.format_exception(err)), err=True, nl=False)
-            raise LibraryError(_one_line(err)) from err
+            raise LibraryError(_one_line(err, argv)) from err
 
 
-def _one_line(err: BaseException) -> str:
-    """``err``'s message on one line (its type's name when it has none)."""
-    return " ".join(str(err).split()) or type(err).__name__
+def _one_line(err: BaseException | str, argv: list[str] = ()) -> str:
+    """``err``'s message on one line (its type's name when it has none), every control
+    character escaped: the arguments in ``argv`` (what the user typed: model ids, paths) as
+    typed, the message's own line breaks as spaces."""
+    text = str(err)
+    for arg in argv:
+        if not arg.isprintable():
+            text = text.replace(arg, _escaped(arg))
+    return _escaped(" ".join(text.split())) or type(err).__name__
+
+
+def _escaped(text: str) -> str:
+    """``text`` with each unprintable character as Python escapes it (``\\x1b``, ``\\n``)."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(event & select.POLLERR for _, event in poll.poll(0))
+    except (AttributeError, OSError, ValueError):  # no file descriptor (a test's stream)
+        return False
+
+
+def _reader_gone():
+    """Stop quietly: stdout's reader has left (``sgl-kvmap list | head -1``). Python's docs
+    ("Note on SIGPIPE"): point stdout at devnull, so the interpreter's last flush cannot fail
+    again, and exit 1."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    sys.exit(1)
 
 
 class FiniteFloatRange(click.FloatRange):
@@ -135,6 +184,23 @@ class TopKType(click.ParamType):
         return k
 
 
+class FloorType(click.ParamType):
+    """--quality-floor: a gap closed from -1 to 1, or 'none' (None: no floor)."""
+
+    name = "floor"
+
+    def convert(self, value, param, ctx) -> float | None:
+        if value is None or value == "none" or isinstance(value, float):
+            return None if value == "none" else value
+        try:
+            floor = float(value)
+        except ValueError:
+            floor = math.nan
+        if not (math.isfinite(floor) and -1 <= floor <= 1):
+            self.fail(f"takes a number from -1 to 1 or 'none', got {value!r}", param, ctx)
+        return floor
+
+
 COUNT = click.IntRange(min=1)  # at least one
 AMOUNT = click.IntRange(min=0)  # 0: none / off
 PROMPT = click.IntRange(min=2)  # a prompt: at least two tokens (the last one is recomputed)
@@ -146,6 +212,19 @@ def _off_or_prompt(ctx: click.Context, param: click.Parameter, tokens: int) -> i
     if tokens == 1:
         raise click.BadParameter("takes 0 (off) or a prompt of at least 2 tokens, got 1")
     return tokens
+
+
+def _check_speed_tokens(ctx: click.Context, tokens: int, target) -> None:
+    """Refuse a --speed-tokens prompt longer than the target model reads (``target``: its
+    ModelSpec), before any model loads."""
+    limit = target.config.get("max_position_embeddings")
+    if limit and tokens > limit:
+        raise click.BadParameter(
+            f"a prompt of {tokens:,} tokens is longer than the target model reads ({limit:,} "
+            "positions)",
+            ctx,
+            param_hint="'--speed-tokens'",
+        )
 
 
 def _check_tail(ctx: click.Context, tail: int, prompt_len: int, prompt_flag: str) -> None:
@@ -399,6 +478,7 @@ def fit(
     pack."""
     from .core.pack import check_destination
     from .fitting.build import build_pack
+    from .fitting.texts import check_model_tokenizers
 
     calibration_config = _config(
         ctx,
@@ -428,6 +508,7 @@ def fit(
     )
     recipe = PackRecipe(calibration_config, tuning)
     check_destination(out, overwrite)  # before the fit's minutes, not after
+    check_model_tokenizers(source, target)  # before any weight loads
     mapper, summary = build_pack(source, target, list(calibration) or None, recipe)
     mapper.info["metrics"]["command"] = _command_line()
     mapper.save_pretrained(out, overwrite=overwrite)
@@ -529,6 +610,7 @@ def tune(
     """
     from .core.mapper import KVMapper
     from .core.pack import check_destination
+    from .fitting.texts import check_model_tokenizers
     from .fitting.tune import tune_mapper
     from .models.capture import load_models_for
 
@@ -548,6 +630,9 @@ def tune(
     )
     check_destination(out, overwrite)  # before the models load and tuning runs
     mapper = KVMapper.from_pretrained(pack)
+    check_model_tokenizers(
+        source_path or mapper.source.model_id, target_path or mapper.target.model_id
+    )
     source, target = load_models_for(mapper, source_path, target_path)
     tuned, report = tune_mapper(mapper, source, target, list(calibration) or None, config)
     tuned.info["metrics"]["command"] = _command_line()
@@ -617,6 +702,12 @@ def tune(
     help="Also time the same hand-off (tail, repair) against the target's re-prefill of a "
     "prompt of this many tokens, on this machine (0: off).",
 )
+@click.option(
+    "--record",
+    is_flag=True,
+    help="Also write the measured figures into PACK's metrics (retention and gap closed per "
+    "condition), which engines check against their --quality-floor.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.pass_context
 def eval_(
@@ -634,12 +725,19 @@ def eval_(
     sweeps,
     anchor_choice,
     speed_tokens,
+    record,
     as_json,
 ) -> None:
     """Measure a pack's fidelity on held-out text, beside target, source and no-prefix baselines."""
     from .core.mapper import KVMapper
     from .fitting.evaluate import evaluate
-    from .fitting.texts import default_eval_files, eval_windows, expand_paths, prompt_of_length
+    from .fitting.texts import (
+        check_model_tokenizers,
+        default_eval_files,
+        eval_windows,
+        expand_paths,
+        prompt_of_length,
+    )
     from .models.capture import load_models_for
     from .models.timing import measure_speed
 
@@ -650,7 +748,18 @@ def eval_(
         )
     repair = _config(ctx, _repair, anchors, draft, sweeps, anchor_choice)
     config = _config(ctx, EvalConfig, prefix_len, continuation, tail, windows, repair, speed_tokens)
+    if record and Path(pack).parent.name == "snapshots":
+        raise click.BadParameter(
+            f"{pack} is a download in the Hugging Face cache; copy it (cp -rL) and "
+            "record into the copy",
+            ctx,
+            param_hint="'--record'",
+        )
     mapper = KVMapper.from_pretrained(pack)
+    _check_speed_tokens(ctx, speed_tokens, mapper.target)
+    check_model_tokenizers(
+        source_path or mapper.source.model_id, target_path or mapper.target.model_id
+    )
     source, target = load_models_for(mapper, source_path, target_path)
     files = expand_paths(texts) if texts else default_eval_files()
     token_windows = eval_windows(target.tokenizer, files, prefix_len + continuation, windows)
@@ -675,6 +784,10 @@ def eval_(
         click.echo(json.dumps(result, indent=2))
     else:
         click.echo(report.table() + ("" if speed is None else "\n" + speed.line()))
+    if record:
+        mapper.info.setdefault("metrics", {}).update(report.summary())
+        mapper.info["metrics"]["eval_command"] = _command_line()
+        click.echo(f"recorded in {mapper.save_pretrained(pack, overwrite=True)}", err=True)
 
 
 @main.command()
@@ -862,6 +975,26 @@ def demo(
 )
 @click.option("--seed", type=AMOUNT, default=BENCH.seed, show_default=True)
 @click.option(
+    "--tail-pages",
+    type=COUNT,
+    default=BENCH.tail_pages,
+    show_default=True,
+    help="Last pages of a translated run the tail mode recomputes.",
+)
+@click.option(
+    "--warm-opening",
+    is_flag=True,
+    help="Every engine serves the prefix all the trace's prompts share (a system prompt) "
+    "before the replay, so a swap's first pages are its own.",
+)
+@click.option(
+    "--quality-floor",
+    type=FloorType(),
+    default=BENCH.quality_floor,
+    help="The engines' floor on the gap closed a pack records (see sglang-args). Default: "
+    "none, so the modes measure what translation does with the packs at hand.",
+)
+@click.option(
     "--live",
     is_flag=True,
     help="Replay against two live sglang.launch_server processes started as sglang-args "
@@ -914,6 +1047,9 @@ def bench(
     continuation_tokens,
     device_tokens,
     seed,
+    tail_pages,
+    warm_opening,
+    quality_floor,
     live,
     device,
     port,
@@ -953,7 +1089,17 @@ def bench(
         continuation_tokens=continuation_tokens,
     )
     config = _config(
-        ctx, BenchConfig, workload, policies, modes, quality_tokens, device_tokens, seed
+        ctx,
+        BenchConfig,
+        workload,
+        policies,
+        modes,
+        quality_tokens,
+        device_tokens,
+        seed,
+        quality_floor=quality_floor,
+        tail_pages=tail_pages,
+        warm_opening=warm_opening,
     )
     given = {
         pair: _pack_folder(pack)
@@ -963,7 +1109,7 @@ def bench(
     names, packs = pair_and_packs(small, large, given)
     device = device or ("cuda" if _has_gpu() else "cpu")
     deadline, lines = measured_deadline(list(packs.values()), device=device if live else "cpu")
-    for line in lines:
+    for line in [*lines, *_bench_floor_lines(names, packs)]:
         click.echo(f"# {line}", err=True)
     config = dataclasses.replace(config, deadline=deadline)
     run = _live_bench if live else _in_process_bench
@@ -976,6 +1122,18 @@ def bench(
     else:
         click.echo(summary_markdown(records, run_header))
         click.echo(f"records, summary and plots written to {summary.parent}/")
+
+
+def _bench_floor_lines(names: dict[str, str], packs: dict) -> list[str]:
+    """What engines that sglang-args launches at its default floor would make of these packs
+    (the bench's own engines use --quality-floor)."""
+    from .sglang.launch import EngineSpec, LaunchOptions, floor_lines
+
+    engines = [EngineSpec(names[role], role) for role in ("small", "large")]
+    return [
+        f"with sglang-args' defaults: {line}"
+        for line in floor_lines(engines, list(packs.values()), LaunchOptions())
+    ]
 
 
 def _in_process_bench(names, packs, config, bar, device, port, store_path):
@@ -1010,6 +1168,7 @@ def _live_bench(names, packs, config, bar, device, port, store_path):
         page_size=config.workload.page_size,
         device=device,
         max_total_tokens=config.device_tokens,
+        quality_floor=config.quality_floor,
     )
     logs = Path(store_path) / "logs"
     setup = LiveSetup(names, packs, options, port, config.deadline, logs)
@@ -1113,6 +1272,14 @@ def _has_gpu() -> bool:
     "is timed for this many.",
 )
 @click.option(
+    "--quality-floor",
+    type=FloorType(),
+    default=StorageSettings.quality_floor,
+    show_default=True,
+    help="Translate with a pack only when the gap closed it records (sgl-kvmap eval --record) "
+    "is above this; 0: better than staying on the source model; 'none': any pack.",
+)
+@click.option(
     "--audit-translations",
     is_flag=True,
     help="Also keep every page an engine receives translated in its store (key + "
@@ -1121,11 +1288,12 @@ def _has_gpu() -> bool:
 @click.pass_context
 def sglang_args(ctx, engines, packs, store, store_path, page_size, port, tp_size, prefetch_policy,
                 device, max_total_tokens, tail_pages, concurrent_translations,
-                audit_translations):  # fmt: skip
+                quality_floor, audit_translations):  # fmt: skip
     """Print the SGLang launch command of every ENGINE, sharing prefixes through sgl-kvmap."""
     from .sglang.launch import (
         engine_commands,
         engine_spec,
+        floor_lines,
         measured_deadline,
         peers_of,
         shell_line,
@@ -1141,12 +1309,12 @@ def sglang_args(ctx, engines, packs, store, store_path, page_size, port, tp_size
     peers_of(specs, list(packs))  # every pack between two engines, before timing any
     options = LaunchOptions(
         store, store_path, page_size, device, max_total_tokens, tail_pages,
-        concurrent_translations, audit_translations,
+        concurrent_translations, audit_translations, quality_floor,
     )  # fmt: skip
     deadline, lines = measured_deadline(
         list(packs), prefetch_policy, concurrent=concurrent_translations, device=device
     )
-    for line in lines:
+    for line in [*lines, *floor_lines(specs, list(packs), options)]:
         click.echo(f"# {line}")
     if packs and deadline.policy == "timeout":
         click.echo(

@@ -297,6 +297,68 @@ def test_sglang_args_for_cpu_engines_print_lines_a_shell_runs(fitted_pack, model
     refused_as_usage([*args, "--max-total-tokens", "0"], "--max-total-tokens")
 
 
+def test_eval_record_writes_what_it_measured_into_the_pack(fitted_pack, text_dir, tmp_path):
+    """``eval --record``: the pack (a copy) is saved again with the evaluation's figures among
+    its metrics, the gap closed engines check against their floor included; a download in the
+    Hugging Face cache is refused."""
+    import shutil
+
+    from sgl_kvmap.core.mapper import KVMapper
+    from sgl_kvmap.sglang.settings import recorded_gap_closed
+
+    pack = Path(shutil.copytree(fitted_pack[0], tmp_path / "pack"))
+    args = ["eval", str(pack), "--texts", str(text_dir / "eval"), "--prefix-len", "48"]
+    args += ["--continuation", "16", "--tail", "4", "--windows", "2", "--json", "--record"]
+    report = json.loads(succeed(args).stdout)
+    metrics = KVMapper.from_pretrained(pack).info["metrics"]
+    assert recorded_gap_closed(metrics, tail_pages=1) == (
+        "eval_gap_closed_tail",
+        report["gap_closed_tail"],
+    )
+    assert metrics.get("eval_retention") == report["retention"] and metrics["eval_tail"] == 4
+    assert metrics["eval_command"].startswith("sgl-kvmap eval")
+    snapshot = Path(shutil.copytree(pack, tmp_path / "snapshots" / ("0" * 40)))
+    refused_as_usage(["eval", str(snapshot), "--record"], "--record")
+
+
+def test_sglang_args_say_which_packs_clear_the_quality_floor(fitted_pack, model_dirs, tmp_path):
+    """Each engine's extra config carries the floor; a comment line per pack says the gap closed
+    it records for the engines' mode and whether it is used (a pack that records none is not,
+    at the default floor: better than staying on the source)."""
+    from sgl_kvmap.core.mapper import KVMapper
+    from sgl_kvmap.sglang import StorageSettings
+
+    source, target = model_dirs
+    args = ["sglang-args", "--engine", source, "--engine", f"{target}=big"]
+
+    def printed(pack, *more):
+        result = succeed([*args, "--pack", str(pack), *more])
+        floors = [line for line in result.output.splitlines() if line.startswith("# pack ")]
+        big = [launch_flags(shlex.split(c)) for c in commands_of(result.output)][1]
+        extra = json.loads(big["--hicache-storage-backend-extra-config"])
+        return floors, StorageSettings.from_extra_config(extra).quality_floor
+
+    floors, floor = printed(fitted_pack[0])
+    assert floor == 0.0 and len(floors) == 1
+    assert "records no eval_gap_closed_tail; NOT used, big prefills instead" in floors[0]
+    assert printed(fitted_pack[0], "--quality-floor", "none") == (
+        [f"# pack {Path(source).resolve()} -> big records no eval_gap_closed_tail; used (no "
+         "quality floor)"],
+        None,
+    )  # fmt: skip
+    mapper = KVMapper.from_pretrained(fitted_pack[0])
+    mapper.info["metrics"].update(eval_gap_closed_tail=0.25, eval_gap_closed=-0.5)
+    recorded = mapper.save_pretrained(tmp_path / "recorded")
+    floors, floor = printed(recorded, "--quality-floor", "0.2")
+    assert floor == 0.2 and "records eval_gap_closed_tail 0.250; used: above" in floors[0]
+    floors, _ = printed(recorded, "--tail-pages", "0")
+    assert "records eval_gap_closed -0.500; NOT used" in floors[0]
+    for bad in ("1.5", "nan", "-2", "high"):
+        refused_as_usage(
+            [*args, "--pack", str(recorded), "--quality-floor", bad], "--quality-floor"
+        )
+
+
 def test_sglang_args_refuses_engine_lists_that_would_mix_up_kv(fitted_pack, model_dirs):
     """Before: two engines under one served name, or one model as two engines, were accepted
     (peers keyed by name or fingerprint collapsed: one engine then got another model's KV as
