@@ -42,7 +42,7 @@ from ..core.stats import Moments, moments_from_tensors, moments_to_tensors
 from ..core.token_weights import attention_received, token_weights
 from ..models.capture import LoadedModel, loaded, run
 from .config import AUTO_K, CalibrationConfig
-from .texts import calibration_windows, expand_paths, shuffled, stdlib_files
+from .texts import calibration_windows, check_tokenizer, expand_paths, shuffled, stdlib_files
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +182,8 @@ def fit_mapper(
     Returns one (mapper, report) per direction, source -> target first.
     """
     src, tgt = loaded(source), loaded(target)
+    for model in (src, tgt):  # before their tokenizers are compared
+        check_tokenizer(model.tokenizer)
     check_pair(src.spec, tgt.spec)
     windows = calibration_token_windows(src.tokenizer, calibration, config)
     state = collect_statistics(src, tgt, windows, config, both_directions)

@@ -25,6 +25,7 @@ EVAL_PACKAGES = ("click", "tqdm", "huggingface_hub")
 # installed with sgl-kvmap everywhere (its dependencies), disjoint from EVAL_PACKAGES
 DEPENDENCY_PACKAGES = ("torch", "transformers", "numpy", "accelerate", "safetensors", "gguf")
 LICENCE_DIR = Path("/usr/share/common-licenses")
+PROBE_TEXT = "def tokens(text): return text.split()"  # what any tokenizer of code reads
 
 
 def stdlib_files() -> list[Path]:
@@ -108,6 +109,7 @@ def calibration_windows(
     """Windows ``[window]`` of token ids from a stream of files (at most ``per_file`` tokens each),
     in shuffled file order, until ``max_tokens`` tokens have been yielded (None: until the files
     run out)."""
+    check_tokenizer(tokenizer)
     limit = float("inf") if max_tokens is None else max_tokens
     buffer: list[int] = []
     produced = 0
@@ -123,7 +125,13 @@ def calibration_windows(
 
 def prompt_of_length(tokenizer, tokens: int) -> torch.Tensor:
     """A prompt of exactly ``tokens: [tokens]`` ids of real text (stdlib sources), for timing."""
-    return next(calibration_windows(tokenizer, stdlib_files(), tokens, tokens, tokens))
+    prompt = next(calibration_windows(tokenizer, stdlib_files(), tokens, tokens, tokens), None)
+    if prompt is None:
+        raise KVMapError(
+            f"no standard library source file holds a prompt of {tokens:,} tokens; time a "
+            "shorter one"
+        )
+    return prompt
 
 
 def eval_windows(tokenizer, files: list[Path], length: int, count: int) -> list[torch.Tensor]:
@@ -135,6 +143,7 @@ def eval_sources(
     tokenizer, files: list[Path], length: int, count: int
 ) -> list[tuple[Path, torch.Tensor]]:
     """``eval_windows`` with the file each window opens: (path, window ``[length]``) pairs."""
+    check_tokenizer(tokenizer)
     sources = []
     for path in shuffled(files, seed="sgl-kvmap-eval"):
         ids = file_tokens(tokenizer, path)
@@ -147,6 +156,27 @@ def eval_sources(
             f"no evaluation file has {length} tokens; pass longer texts or a shorter prefix"
         )
     return sources
+
+
+def check_tokenizer(tokenizer) -> None:
+    """Refuse a tokenizer that turns text into no tokens: what transformers loads for a model
+    folder without tokenizer files, whose text would otherwise make no window at all."""
+    if not tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]:
+        folder = getattr(tokenizer, "name_or_path", "") or "the model"
+        raise KVMapError(
+            f"{folder} has no tokenizer (it turns text into no tokens): copy the model's "
+            "tokenizer files (tokenizer.json, tokenizer_config.json, ...) into its folder"
+        )
+
+
+def check_model_tokenizers(*models: str) -> None:
+    """``check_tokenizer`` for each model (a folder or Hub id), before any weight loads."""
+    from transformers import AutoTokenizer
+
+    from ..core.sources import model_folder
+
+    for model in models:
+        check_tokenizer(AutoTokenizer.from_pretrained(model_folder(model, weights=False)))
 
 
 def file_tokens(tokenizer, path: Path) -> list[int]:
