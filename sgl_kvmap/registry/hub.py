@@ -174,9 +174,14 @@ def checked_namespace(namespace: str) -> str:
     return namespace
 
 
-def check_caches(cache_dir: str | Path | None, assets_dir: str | Path | None = None) -> None:
-    """``check_cache_folder`` for the Hugging Face cache and assets cache in use."""
+def check_hub_cache(cache_dir: str | Path | None) -> None:
+    """``check_cache_folder`` for the Hugging Face cache in use (``cache_dir`` or the default)."""
     check_cache_folder(cache_dir or constants.HF_HUB_CACHE, _chosen_by(cache_dir, "HF_HUB_CACHE"))
+
+
+def check_caches(cache_dir: str | Path | None, assets_dir: str | Path | None) -> None:
+    """``check_cache_folder`` for the Hugging Face cache and its assets cache in use."""
+    check_hub_cache(cache_dir)
     assets = assets_dir or constants.HF_ASSETS_CACHE
     check_cache_folder(assets, _chosen_by(assets_dir, "HF_ASSETS_CACHE"))
 
@@ -212,7 +217,7 @@ def model_folder(model: str | Path, revision: str | None = None, *, weights: boo
     if Path(model).is_dir():
         return Path(model)
     repo_id = _repo_id(str(model))
-    check_caches(None)
+    check_hub_cache(None)
     patterns = list(MODEL_FILES if weights else SPEC_FILES)
     cached = _cached_snapshot(repo_id, revision, patterns, weights)
     if cached is not None:

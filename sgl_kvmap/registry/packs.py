@@ -43,7 +43,7 @@ from ..core.mapper import KVMapper
 from ..core.pack import CARD_FILE, CONFIG_FILE, PACK_FILES, TENSORS_FILE, load_pack, read_config
 from ..fitting.config import recipe_summary
 from .card import CARD_KEY, render_card
-from .hub import check_caches, checked_repo_id, first_line, hub_failure
+from .hub import check_hub_cache, checked_repo_id, first_line, hub_failure
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def fetch_pack(
     Hugging Face cache (``force_download``: downloaded again even if cached). Raises PackError
     with one line saying what to do when it cannot."""
     checked_repo_id(repo_id, PackError)
-    check_caches(cache_dir)
+    check_hub_cache(cache_dir)
     common = {
         "repo_id": repo_id,
         "cache_dir": cache_dir,
@@ -163,8 +163,7 @@ def _commit_of(snapshot: Path, where: str) -> str:
 
 def _missing(where: str, repo_id: str, err: BaseException, local_files_only: bool) -> str:
     """Why ``where`` could not be fetched when it is not in the cache (offline or a failure)."""
-    offline_mode = (OfflineModeIsEnabled, type(None))  # None: huggingface_hub did not try the Hub
-    if local_files_only or constants.HF_HUB_OFFLINE or isinstance(err.__cause__, offline_mode):
+    if local_files_only or constants.is_offline_mode() or isinstance(err, OfflineModeIsEnabled):
         return (
             f"{where} is not in the local Hugging Face cache and the Hub cannot be reached "
             f"(offline). Get it with `sgl-kvmap pull {repo_id}` while online, or build the "
@@ -317,7 +316,7 @@ def _restoring(api: HfApi, repo_id: str, parent: str | None, scratch: Path) -> l
 
 def cached_packs(cache_dir: str | Path | None = None) -> list[PackEntry]:
     """The packs in the Hugging Face cache (each cached commit that holds a kvmap.json)."""
-    check_caches(cache_dir)
+    check_hub_cache(cache_dir)
     try:
         info = scan_cache_dir(cache_dir or constants.HF_HUB_CACHE)
     except Exception as err:  # huggingface_hub raises CacheNotFound for a missing cache
