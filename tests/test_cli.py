@@ -630,7 +630,7 @@ def test_an_unknown_hub_id_fails_in_one_line_at_once(model_dirs, tmp_path, offli
     assert done.stdout == "" and len(done.stderr.splitlines()) == 1, done.stderr
     assert done.stderr.startswith("error: sgl-kvmap-tests/no-such-model")
     assert ("HF_HUB_OFFLINE is set" in done.stderr) == offline
-    assert seconds < 15
+    assert seconds < 40  # a loaded 2-core machine needs up to ~25 s to import; the retries ~60
     assert not (tmp_path / "p").exists()
 
 
