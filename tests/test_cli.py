@@ -641,8 +641,12 @@ def hf_caches(tmp_path, monkeypatch):
     import huggingface_hub.utils._cache_assets as assets
     import huggingface_hub.utils._cache_manager as hub_cache
 
-    monkeypatch.setattr(assets, "HF_ASSETS_CACHE", str(tmp_path / "assets"))
-    monkeypatch.setattr(hub_cache, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    from huggingface_hub import constants
+
+    for module in (assets, constants):  # huggingface_hub's copy and the one sgl-kvmap reads
+        monkeypatch.setattr(module, "HF_ASSETS_CACHE", str(tmp_path / "assets"))
+    for module in (hub_cache, constants):
+        monkeypatch.setattr(module, "HF_HUB_CACHE", str(tmp_path / "hub"))
     return {"cache_dir": tmp_path / "hub", "assets_dir": tmp_path / "assets"}
 
 
