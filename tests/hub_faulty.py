@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
+from .hub_write_server import send_relayed
+
 
 @contextlib.contextmanager
 def silent_endpoint() -> Iterator[str]:
@@ -87,18 +89,7 @@ class FaultyHandler(BaseHTTPRequestHandler):
         if status >= 400 and not data:
             data = json.dumps({"error": f"injected HTTP {status}"}).encode()
             headers = [*headers, ("Content-Type", "application/json")]
-        self.send_response(status)
-        skip = {"connection", "keep-alive", "transfer-encoding", "server", "date", "content-length"}
-        length = str(len(data))
-        for key, value in headers:
-            if key.lower() == "content-length" and self.command == "HEAD":
-                length = value
-            elif key.lower() not in skip:
-                self.send_header(key, value)
-        self.send_header("Content-Length", length)
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
+        send_relayed(self, status, headers, data)
 
 
 class FaultyHub(ThreadingHTTPServer):

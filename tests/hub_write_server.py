@@ -502,18 +502,26 @@ class HubHandler(BaseHTTPRequestHandler):
         self.relay(*self.olah(path))
 
     def relay(self, status: int, headers: list, data: bytes) -> None:
-        self.send_response(status)
-        skip = {"connection", "keep-alive", "transfer-encoding", "server", "date", "content-length"}
-        length = str(len(data))
-        for key, value in headers:
-            if key.lower() == "content-length" and self.command == "HEAD":
-                length = value
-            elif key.lower() not in skip:
-                self.send_header(key, value)
-        self.send_header("Content-Length", length)
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
+        send_relayed(self, status, headers, data)
+
+
+HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "server", "date", "content-length"}
+
+
+def send_relayed(handler: BaseHTTPRequestHandler, status: int, headers: list, data: bytes) -> None:
+    """Answer ``handler``'s request with an upstream answer (status, headers, body), its
+    hop-by-hop headers dropped and its length recomputed (a HEAD keeps the upstream's)."""
+    handler.send_response(status)
+    length = str(len(data))
+    for key, value in headers:
+        if key.lower() == "content-length" and handler.command == "HEAD":
+            length = value
+        elif key.lower() not in HOP_HEADERS:
+            handler.send_header(key, value)
+    handler.send_header("Content-Length", length)
+    handler.end_headers()
+    if handler.command != "HEAD":
+        handler.wfile.write(data)
 
 
 class HubWriteServer(ThreadingHTTPServer):
