@@ -328,3 +328,23 @@ def low_rank_problem(tiny_pair):
         source, target, lambda src: low_rank_target(src, source.spec, target.spec, factors)
     )
     return source, target, factors, stats
+
+
+def hicache_storage_config(model_name: str, extra_config: dict, is_mla_model: bool = False):
+    """SGLang's ``HiCacheStorageConfig`` as a one-GPU server builds it for its storage backend:
+    rank 0 of 1 (no pipeline or context parallelism), page-first layout, no metrics."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    return HiCacheStorageConfig(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=is_mla_model,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name=model_name,
+        extra_config=extra_config,
+    )

@@ -640,7 +640,6 @@ def hf_caches(tmp_path, monkeypatch):
     commands run in this process (huggingface_hub reads HF_HOME once, on import)."""
     import huggingface_hub.utils._cache_assets as assets
     import huggingface_hub.utils._cache_manager as hub_cache
-
     from huggingface_hub import constants
 
     for module in (assets, constants):  # huggingface_hub's copy and the one sgl-kvmap reads

@@ -22,6 +22,8 @@ from sgl_kvmap.core.errors import KVMapError
 from sgl_kvmap.sglang.pages import DTYPES, PageFormat
 from sgl_kvmap.sglang.records import RECORD_BYTES, PageRecord
 
+from .conftest import hicache_storage_config
+
 FUZZ = settings(
     max_examples=150,
     deadline=None,
@@ -185,21 +187,7 @@ def extra_configs(draw, folder: str) -> dict:
 
 
 def storage_config(extra: dict):
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-
-    return HiCacheStorageConfig(
-        tp_rank=0,
-        tp_size=1,
-        pp_rank=0,
-        pp_size=1,
-        attn_cp_rank=0,
-        attn_cp_size=1,
-        is_mla_model=False,
-        enable_storage_metrics=False,
-        is_page_first_layout=True,
-        model_name="fuzzed-model",
-        extra_config=extra,
-    )
+    return hicache_storage_config("fuzzed-model", extra)
 
 
 @pytest.fixture

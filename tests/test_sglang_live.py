@@ -61,6 +61,8 @@ from sgl_kvmap.sglang.servers import (  # noqa: E402
     stop_servers,
 )
 
+from .conftest import hicache_storage_config  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = 64  # sglang-args' default --page-size
 MAX_TOTAL_TOKENS = 8192
@@ -215,21 +217,10 @@ def test_a_session_served_by_a_is_translated_for_b(live, swapped_session):
 def store_reader(store: Path, served_name: str):
     """SGLang's own ``file`` store, read as the engine serving ``served_name`` (rank 0 of 1)
     reads its pages: HiCacheFile over the same folder, eviction off."""
-    from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile
 
-    config = HiCacheStorageConfig(
-        tp_rank=0,
-        tp_size=1,
-        pp_rank=0,
-        pp_size=1,
-        attn_cp_rank=0,
-        attn_cp_size=1,
-        is_mla_model=False,
-        enable_storage_metrics=False,
-        is_page_first_layout=True,
-        model_name=served_name,
-        extra_config={"file_storage_path": str(store), "max_size": 0, "min_free_space": 0},
-    )
+    extra = {"file_storage_path": str(store), "max_size": 0, "min_free_space": 0}
+    config = hicache_storage_config(served_name, extra)
     return HiCacheFile(config)
 
 

@@ -26,7 +26,7 @@ from sgl_kvmap.sglang import PeerSettings, StorageSettings
 from sgl_kvmap.sglang.engine import PAGE, Engine, page_keys
 from sgl_kvmap.sglang.launch import sglang_extra_config
 
-from .conftest import fit_tiny_mapper, save_loaded
+from .conftest import fit_tiny_mapper, hicache_storage_config, save_loaded
 
 torch.manual_seed(0)
 
@@ -627,7 +627,7 @@ def test_an_mla_pool_switches_translation_off_and_its_pages_are_still_stored(clu
     latent per token, no per-head K and V): translation is off with a logged reason, and the
     engine's own pages are stored and read back through the inner store as without sgl-kvmap.
     Substituted: the host pool is built directly (unpinned) instead of by the cache's factory."""
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
     from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
@@ -658,19 +658,7 @@ def test_an_mla_pool_switches_translation_off_and_its_pages_are_still_stored(clu
             end_layer=2,
             target_layer_num=2,
         )
-    config = HiCacheStorageConfig(
-        tp_rank=0,
-        tp_size=1,
-        pp_rank=0,
-        pp_size=1,
-        attn_cp_rank=0,
-        attn_cp_size=1,
-        is_mla_model=True,
-        enable_storage_metrics=False,
-        is_page_first_layout=True,
-        model_name="mla-model",
-        extra_config=cluster.extra(1),
-    )
+    config = hicache_storage_config("mla-model", cluster.extra(1), is_mla_model=True)
     storage = StorageBackendFactory.create_backend("dynamic", config, host)
     storage.register_mem_pool_host(host)
     assert storage.counters["fallback.pool_unsupported"] == 1 and storage.peers == []
