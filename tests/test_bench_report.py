@@ -326,12 +326,16 @@ BEATS = [((0.6, 1.5), (0.7, 1.2), (0.4, 2.0)), ((0.5, 1.6), (0.6, 1.3), (0.3, 2.
 WORSE = [((0.2, 2.5), (0.7, 1.2), (0.4, 2.0)), ((0.1, 2.9), (0.6, 1.3), (0.3, 2.2))] * 2
 
 
-def scored_replay(policy, mode, rows):
-    return [judged(policy, mode, 1 + i % 3, *row) for i, row in enumerate(rows)]
+def scored_replay(policy, mode, rows, requests=(1, 3)):
+    """Swapped requests judged on their continuation; requests 1 and 3 are served by the large
+    model (up swaps), request 2 by the small one (a down swap)."""
+    return [judged(policy, mode, requests[i % len(requests)], *row) for i, row in enumerate(rows)]
 
 
 def test_retention_and_gap_closed_pool_accuracy_over_requests():
-    (row,) = summarize(scored_replay("p", "tail", BEATS))
+    (summary,) = summarize(scored_replay("p", "tail", BEATS))
+    row = summary["continuation"]["up"]
+    assert summary["continuation"]["down"]["continuation_requests"] == 0
     assert row["continuation_requests"] == 4 and row["continuation_tokens"] == 128
     assert row["continuation_accuracy"] == pytest.approx(
         {"served": 0.55, "reference": 0.65, "source": 0.35, "no_prefix": 0.1}
@@ -345,7 +349,7 @@ def test_retention_and_gap_closed_pool_accuracy_over_requests():
 
 def test_the_verdict_reads_the_gap_closed_interval():
     rows = summarize([*scored_replay("a", "reprefill", BEATS), *scored_replay("a", "tail", WORSE)])
-    worse = rows[1]
+    worse = rows[1]["continuation"]["up"]
     assert worse["gap_closed"] < 0 and worse["gap_closed_ci"][1] < 0
     assert worse["verdict"] == "worse"
     markdown = summary_markdown(
@@ -354,12 +358,28 @@ def test_the_verdict_reads_the_gap_closed_interval():
     assert "beats staying on the source model in 1 of 2 translating replays" in markdown
     assert "does worse in 1" in markdown
     line = table_line(markdown, "Swapped requests against", "a", "translated + tail")
-    assert line[-1] == "worse than staying"
+    assert line[2] == "small -> large" and line[-1] == "worse than staying"
+
+
+def test_swaps_are_judged_per_direction():
+    """A down swap (large -> small) is judged apart from the up swaps of the same replay: the
+    large source beats the small target's re-prefill, so there is no gap to close there."""
+    down = [((0.4, 2.0), (0.5, 1.8), (0.7, 1.2))] * 3
+    records = [*scored_replay("p", "tail", BEATS), *scored_replay("p", "tail", down, (2,))]
+    (summary,) = summarize(records)
+    up, down_stats = summary["continuation"]["up"], summary["continuation"]["down"]
+    assert (up["continuation_requests"], down_stats["continuation_requests"]) == (4, 3)
+    assert down_stats["retention"] == pytest.approx(0.8) and down_stats["verdict"] is None
+    line = table_line(
+        summary_markdown(records, HEADER), "Swapped requests against", "p", "translated + tail"
+    )
+    assert "beats staying" in line[-1]
 
 
 def test_a_gap_undefined_where_the_reference_does_not_beat_staying():
     rows = [((0.5, 1.0), (0.4, 1.0), (0.4, 1.0))] * 3  # reference == source: no gap to close
-    (row,) = summarize(scored_replay("p", "tail", rows))
+    (summary,) = summarize(scored_replay("p", "tail", rows))
+    row = summary["continuation"]["up"]
     assert row["gap_closed"] is None and row["gap_closed_ci"] is None and row["verdict"] is None
 
 

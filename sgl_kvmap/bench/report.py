@@ -100,7 +100,10 @@ def summary_row(replay: list[RequestRecord], reference: list[RequestRecord] | No
         **ttft_stats(swapped),
         **ttft_ratio(pairs),
         **quality_stats(swapped if replay[0].mode != REFERENCE_MODE else []),
-        **continuation_stats(swapped),
+        "continuation": {
+            direction: continuation_stats([r for r in swapped if r.model == served])
+            for direction, served in DIRECTIONS.items()
+        },
     }
 
 
@@ -169,6 +172,9 @@ def quality_stats(swapped: list[RequestRecord]) -> dict:
 
 
 CONTINUATION_CONDITIONS = ("served", *BASELINES)  # this mode's cache, then the baselines
+# a swap's direction -> the model that serves it; staying on the source is the other model
+DIRECTIONS = {"up": "large", "down": "small"}
+DIRECTION_TITLES = {"up": "small -> large", "down": "large -> small"}
 
 
 def continuation_stats(swapped: list[RequestRecord]) -> dict:
@@ -361,48 +367,69 @@ def ttft_ratio_cell(row: dict) -> str:
 
 
 def continuation_section(rows: list[dict]) -> str:
-    """The verdict line, then one row per replay with continuation scores."""
-    judged = [row for row in rows if row["continuation_requests"]]
-    if not judged:
+    """The verdict line, then one row per replay and direction with continuation scores."""
+    lines = continuation_lines(rows)
+    if not lines:
         return "No swapped request was judged on its true continuation in this run."
-    columns = ["policy", "mode", "judged requests"]
+    columns = ["policy", "mode", "swap", "judged requests"]
     columns += [f"accuracy: {name}" for name in ("this mode", *CONDITION_HEADINGS)]
     columns += [f"retention [{CONFIDENCE:.0%} CI]", f"gap closed [{CONFIDENCE:.0%} CI]"]
     columns += ["NLL: this mode", "NLL: re-prefill", "NLL: staying", "verdict"]
-    table = markdown_table(columns, [continuation_cells(row) for row in judged])
-    return verdict_line(judged) + "\n\n" + table
+    table = markdown_table(columns, [continuation_cells(line) for line in lines])
+    return verdict_line(lines) + "\n\n" + table
+
+
+def continuation_lines(rows: list[dict]) -> list[dict]:
+    """Each replay's continuation scores per swap direction that has judged requests, with the
+    replay's policy and mode and the ``direction``."""
+    return [
+        {"policy": row["policy"], "mode": row["mode"], "direction": direction, **stats}
+        for row in rows
+        for direction, stats in row["continuation"].items()
+        if stats["continuation_requests"]
+    ]
 
 
 CONDITION_HEADINGS = ("re-prefill", "staying on the source", "no prefix")  # BASELINES' order
 
 
-def continuation_cells(row: dict) -> list[str]:
-    accuracy, nll = row["continuation_accuracy"], row["continuation_nll"]
+def continuation_cells(line: dict) -> list[str]:
+    accuracy, nll = line["continuation_accuracy"], line["continuation_nll"]
     return [
-        *row_label(row),
-        str(row["continuation_requests"]),
+        *row_label(line),
+        DIRECTION_TITLES[line["direction"]],
+        str(line["continuation_requests"]),
         *[decimal(accuracy[name]) for name in CONTINUATION_CONDITIONS],
-        with_interval(row["retention"], row["retention_ci"]),
-        with_interval(row["gap_closed"], row["gap_closed_ci"]),
+        with_interval(line["retention"], line["retention_ci"]),
+        with_interval(line["gap_closed"], line["gap_closed_ci"]),
         decimal(nll["served"]),
         decimal(nll["reference"]),
         decimal(nll["source"]),
-        VERDICTS.get(row["verdict"], DASH) if row["mode"] != REFERENCE_MODE else "reference",
+        "reference" if line["mode"] == REFERENCE_MODE else verdict_cell(line),
     ]
 
 
-def verdict_line(rows: list[dict]) -> str:
-    """One line: in how many translating replays a swap beats staying on the source model."""
-    translating = [row for row in rows if row["mode"] != REFERENCE_MODE]
-    if not translating:
-        return "**Verdict**: no translating replay in this run."
-    counts = {key: sum(row["verdict"] == key for row in translating) for key in VERDICTS}
-    undecided = len(translating) - counts["beats"] - counts["worse"]
+def verdict_cell(line: dict) -> str:
+    if line["verdict"] is not None:
+        return VERDICTS[line["verdict"]]
+    if line["gap_closed_ci"] is None and line["continuation_requests"] >= 2:
+        return "no gap: staying does as well or better"
+    return DASH
+
+
+def verdict_line(lines: list[dict]) -> str:
+    """One line: in how many translating replays (per direction) a swap beats staying on the
+    source model, among those where re-prefill beats staying (a gap to close)."""
+    translating = [line for line in lines if line["mode"] != REFERENCE_MODE]
+    decided = [line for line in translating if line["verdict"] is not None]
+    if not decided:
+        return "**Verdict**: no translating replay has a gap to close in this run."
+    counts = {key: sum(line["verdict"] == key for line in decided) for key in VERDICTS}
     return (
         f"**Verdict**: a translated swap beats staying on the source model in "
-        f"{counts['beats']} of {len(translating)} translating replays (gap closed above 0 "
-        f"over its whole interval), does worse in {counts['worse']}, and is not resolved in "
-        f"{undecided}."
+        f"{counts['beats']} of {len(decided)} translating replays and directions with a gap to "
+        f"close (gap closed above 0 over its whole interval), does worse in {counts['worse']}, "
+        f"and is not resolved in {counts['unresolved']}."
     )
 
 
