@@ -105,7 +105,9 @@ def main(pack, windows, prefix_len, continuation, page, out) -> None:
         for name, settings in SERVED.items():
             store = tempfile.mkdtemp(prefix="serving-fidelity-")
             peer = PeerSettings(names[0], str(pack))
-            on = StorageSettings(translate=True, interface_v1=True, peers=(peer,), **settings)
+            on = StorageSettings(  # measures the translation: no quality floor
+                translate=True, interface_v1=True, peers=(peer,), quality_floor=None, **settings
+            )
             off = StorageSettings(interface_v1=True)
             engines = [
                 Engine(

@@ -71,7 +71,9 @@ def main(pack, lengths, page, threads, prefill_up_to, out) -> None:
         prompt = prompt_of_length(large.tokenizer, n + 1).tolist()
         store = tempfile.mkdtemp(prefix="storage-speed-")
         peer = PeerSettings(names[0], str(pack))
-        on = StorageSettings(translate=True, interface_v1=True, peers=(peer,), tail_pages=0)
+        on = StorageSettings(
+            translate=True, interface_v1=True, peers=(peer,), tail_pages=0, quality_floor=None
+        )
         off = StorageSettings(interface_v1=True)
         engine = {"page_size": page, "slots": 2 * n + 2 * page, **UNTIMED}
         source = Engine(small, names[0], sglang_extra_config(off, store), **engine)

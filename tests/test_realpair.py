@@ -161,7 +161,10 @@ def test_sglang_hands_a_real_prefix_from_the_0_5b_to_a_fresh_1_5b(fitted, pair, 
     peer = PeerSettings(model_name=names[0], pack=str(pack))
     off = sglang_extra_config(StorageSettings(interface_v1=True), store)
     on = sglang_extra_config(
-        StorageSettings(translate=True, interface_v1=True, peers=(peer,), tail_pages=0), store
+        StorageSettings(  # the fitted pack records no measured gap closed: no quality floor
+            translate=True, interface_v1=True, peers=(peer,), tail_pages=0, quality_floor=None
+        ),
+        store,
     )
     window = eval_windows(large.tokenizer, default_eval_files(), 32 * PAGE + 24, 1)[0].tolist()
     untimed = {"prefetch_threshold": PAGE, "prefetch_policy": "wait_complete"}  # what, not when
