@@ -82,6 +82,7 @@ def test_the_1_5b_server_continues_from_the_0_5b_servers_pages_translated(folder
     args = ["--device", "cpu", "--pack", pack, "--store-path", str(store)]
     args += ["--max-total-tokens", "8192", "--audit-translations", "--port", str(free_port_base(2))]
     args += ["--quality-floor", "none"]  # what is checked is the translation, not its quality
+    args += ["--prefetch-policy", "wait_complete"]  # and not when: a loaded CPU missed deadlines
     for folder, name in zip(folders, NAMES):
         args += ["--engine", f"{folder}={name}"]
     lines = sglang_args_lines(args, program=sgl_kvmap_program(), env=ENVIRONMENT)

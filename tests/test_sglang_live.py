@@ -89,6 +89,8 @@ class Deployment:
             args += ["--pack", pair["packs"][pack]]
         args += ["--store-path", str(self.store), "--max-total-tokens", str(MAX_TOTAL_TOKENS)]
         args += ["--audit-translations", "--quality-floor", "none"]  # tiny packs: no eval
+        # what is translated, not when: a loaded 2-core machine missed the measured deadline
+        args += ["--prefetch-policy", "wait_complete"]
         self.lines = sglang_args_lines(
             [*args, "--port", str(port)], program=sgl_kvmap_program(), env=ENVIRONMENT
         )
