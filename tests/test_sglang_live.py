@@ -9,8 +9,9 @@ through HTTP: ``POST /generate`` with ``input_ids``, greedy, by ``sgl_kvmap.benc
 client, which reads SGLang's own ``meta_info.cached_tokens_details`` (device, host, storage).
 Everything sglang-args does not set is SGLang's default: the page size is sglang-args' 64, the
 prefetch threshold SGLang's 256 tokens (a request prefetches only when at least 256 tokens
-beyond what it has cached are found in storage), the stop policy and deadline what sglang-args
-printed.
+beyond what it has cached are found in storage); the stop policy is ``wait_complete``
+(``sglang-args --prefetch-policy wait_complete``): these tests check what is translated, and a
+loaded 2-core machine missed the deadline sglang-args measured on the first translations.
 
 Substituted for this CPU test environment (environment variables added to each printed line,
 nothing else; a GPU deployment needs none of them):
