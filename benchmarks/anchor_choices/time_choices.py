@@ -4,15 +4,14 @@ python time_choices.py PACK [TOKENS] > times.json
 """
 
 import json
-import statistics
 import sys
-import time
 
 import torch
 
 from sgl_kvmap.core.mapper import KVMapper
 from sgl_kvmap.fitting.texts import prompt_of_length
 from sgl_kvmap.models.capture import capture_kv, forward_scattered, load_models_for, run
+from sgl_kvmap.models.timing import median_seconds
 from sgl_kvmap.models.transfer import (
     ANCHOR_CHOICES,
     Repair,
@@ -27,12 +26,7 @@ TAIL, ANCHORS, REPEATS = 32, 240, 3
 
 
 def timed(fn, repeats=REPEATS):
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
+    return median_seconds(fn, repeats)
 
 
 def main(pack, tokens):

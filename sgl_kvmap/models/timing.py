@@ -119,26 +119,28 @@ def measure_speed(
     anchors, draft_seconds = None, 0.0
     if repair is not None and repair.anchors:
         pick = lambda: draft_anchors(source.model, source_cache, token_ids, repair, tail, mapper)  # noqa: E731
-        anchors, draft_seconds = pick(), _timed(pick, repeats)
+        anchors, draft_seconds = pick(), median_seconds(pick, repeats)
     fused = handoff_positions(prompt_len, tail, mapper.sink_tokens, anchors)
     rest = handoff_positions(prompt_len, tail, 0, anchors)
-    handoff_seconds = _timed(
+    handoff_seconds = median_seconds(
         lambda: forward_scattered(target.model, mapped, token_ids, fused, 1), repeats
     )
-    without_sinks = _timed(
+    without_sinks = median_seconds(
         lambda: forward_scattered(target.model, mapped, token_ids, rest, 1), repeats
     )
     sinks = token_ids[: min(mapper.sink_tokens, split)]
     return SpeedReport(
         tokens=prompt_len,
         tail=tail,
-        map_seconds=_timed(translate, repeats),
+        map_seconds=median_seconds(translate, repeats),
         sink_seconds=max(0.0, handoff_seconds - without_sinks) if sinks.numel() else 0.0,
         handoff_seconds=handoff_seconds,
         prefill_seconds=prefill_seconds
-        or _timed(lambda: run(target.model, token_ids, logits_to_keep=1), max(1, repeats - 1)),
+        or median_seconds(
+            lambda: run(target.model, token_ids, logits_to_keep=1), max(1, repeats - 1)
+        ),
         repeats=repeats,
-        separate_sink_seconds=_timed(lambda: capture_kv(target.model, sinks), repeats)
+        separate_sink_seconds=median_seconds(lambda: capture_kv(target.model, sinks), repeats)
         if sinks.numel()
         else 0.0,
         draft_seconds=draft_seconds,
@@ -146,7 +148,8 @@ def measure_speed(
     )
 
 
-def _timed(fn, repeats: int) -> float:
+def median_seconds(fn, repeats: int) -> float:
+    """The median wall time of ``repeats`` calls of ``fn``."""
     seconds = []
     for _ in range(repeats):
         start = time.perf_counter()
