@@ -1127,13 +1127,11 @@ def bench(
 def _bench_floor_lines(names: dict[str, str], packs: dict) -> list[str]:
     """What engines that sglang-args launches at its default floor would make of these packs
     (the bench's own engines use --quality-floor)."""
-    from .sglang.launch import EngineSpec, LaunchOptions, floor_lines
+    from .sglang.launch import EngineSpec, LaunchOptions, floor_lines, peers_of
 
     engines = [EngineSpec(names[role], role) for role in ("small", "large")]
-    return [
-        f"with sglang-args' defaults: {line}"
-        for line in floor_lines(engines, list(packs.values()), LaunchOptions())
-    ]
+    peers = peers_of(engines, list(packs.values()))
+    return [f"with sglang-args' defaults: {line}" for line in floor_lines(peers, LaunchOptions())]
 
 
 def _in_process_bench(names, packs, config, bar, device, port, store_path):
@@ -1306,7 +1304,7 @@ def sglang_args(ctx, engines, packs, store, store_path, page_size, port, tp_size
             param_hint="'--port'",
         )
     specs = [engine_spec(engine, port + i, tp_size) for i, engine in enumerate(engines)]
-    peers_of(specs, list(packs))  # every pack between two engines, before timing any
+    peers = peers_of(specs, list(packs))  # every pack between two engines, before timing any
     options = LaunchOptions(
         store, store_path, page_size, device, max_total_tokens, tail_pages,
         concurrent_translations, audit_translations, quality_floor,
@@ -1314,7 +1312,7 @@ def sglang_args(ctx, engines, packs, store, store_path, page_size, port, tp_size
     deadline, lines = measured_deadline(
         list(packs), prefetch_policy, concurrent=concurrent_translations, device=device
     )
-    for line in [*lines, *floor_lines(specs, list(packs), options)]:
+    for line in [*lines, *floor_lines(peers, options)]:
         click.echo(f"# {line}")
     if packs and deadline.policy == "timeout":
         click.echo(

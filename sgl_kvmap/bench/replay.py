@@ -216,11 +216,12 @@ def _judge(engine, deployment, plan, i, mode, slots, last_logits, quality_tokens
     served = continuation_scores(model, cache, last_logits, turn.continuation)
     if mode == REFERENCE_MODE:
         answer = greedy_answer(model, cache, last_logits, quality_tokens)
-        nll, _ = teacher_forced(model, cache, last_logits, answer)
+        nll, predicted = teacher_forced(model, cache, last_logits, answer)
         baselines = {} if served is None else _baselines(deployment, plan, i, served)
         plan.references[turn.request] = Answer(answer, nll, baselines)
     reference = plan.references[turn.request]
-    nll, predicted = teacher_forced(model, cache, last_logits, reference.tokens)
+    if mode != REFERENCE_MODE:
+        nll, predicted = teacher_forced(model, cache, last_logits, reference.tokens)
     tokens = len(reference.tokens)
     return Quality(
         tokens,

@@ -215,13 +215,14 @@ def peers_of(engines: list[EngineSpec], packs: list[str | Path]) -> dict[str, li
 
 
 def floor_lines(
-    engines: list[EngineSpec], packs: list[str | Path], options: LaunchOptions
+    peers_by_engine: dict[str, list[PeerSettings]], options: LaunchOptions
 ) -> list[str]:
-    """One line per pack: the gap closed it records for the engines' mode and whether it clears
-    ``options.quality_floor`` (a pack that does not is not used: its swaps are prefilled)."""
+    """One line per pack (``peers_of``' peers of each engine): the gap closed it records for the
+    engines' mode and whether it clears ``options.quality_floor`` (a pack that does not is not
+    used: its swaps are prefilled)."""
     settings = StorageSettings(tail_pages=options.tail_pages, quality_floor=options.quality_floor)
     lines = []
-    for target, peers in peers_of(engines, packs).items():
+    for target, peers in peers_by_engine.items():
         for peer in peers:
             metrics = read_config(Path(peer.pack)).get("metrics", {})
             key, gap = recorded_gap_closed(metrics, options.tail_pages)
