@@ -276,6 +276,92 @@ def assert_translated(store: Path, sender: str, receiver: str, keys: list[str], 
     assert wants[0].abs().sum() > 0
 
 
+def test_bs_answer_over_the_translated_pages_is_the_librarys_handoff(
+    live, swapped_session, served_pair
+):
+    """Repair inside SGLang is the tail it recomputes: B's log-probabilities of its answer,
+    served over what its radix tree holds after the swap (A's pages translated, then the tail
+    page and the new tokens B computed over them), equal the library's ``transfer.handoff`` of
+    the same prompt from A's stored pages with the same pack and the same tail; and they differ
+    from B's own re-prefill far more, so the comparison can fail. The hand-off is the one the
+    storage path can serve (it sees page keys, not token ids): no sink tokens recomputed, layer
+    0 mapped (``sinks: translate``), B's tiny model in float32 in the library."""
+    import dataclasses
+
+    import torch
+
+    from sgl_kvmap.core.mapper import KVMapper
+    from sgl_kvmap.models.transfer import handoff
+
+    history, second, generation, expected = swapped_session
+    answer = list(generation.output_ids)
+    with live.client("b") as client:
+        served = torch.tensor(client.answer_logprobs("b", second, answer), dtype=torch.float64)
+    keys = page_hashes(second)[: expected // PAGE]
+    source = stored_cache(live.store, NAMES["a"], keys)
+    mapper = KVMapper.from_pretrained(served_pair["packs"][0, 1])
+    mapper = dataclasses.replace(mapper, sink_tokens=0)
+    target = served_pair["models"][1].model
+    tokens = torch.tensor(second)
+    tail = len(second) - 1 - expected
+    library = handoff(mapper, source, tokens, target, tail=tail, exact_first_layer=False)
+    reprefill = run_prompt(target, tokens)
+    library, reprefill = (logprobs_after(target, out, answer) for out in (library, reprefill))
+    served_error = (served - library).abs().max().item()
+    translation_effect = (reprefill - library).abs().max().item()
+    print(
+        f"answer logprobs: served vs library {served_error:.2e}, re-prefill vs library "
+        f"{translation_effect:.2e} ({len(answer)} tokens)"
+    )
+    assert served_error < 2e-3
+    assert translation_effect > 10 * max(served_error, 1e-4)
+
+
+def stored_cache(store: Path, served_name: str, keys: list[str]):
+    """The KV of pages ``keys`` (a sequence's leading pages) as ``served_name``'s engine stored
+    them, as a float32 ``KVCache`` at the positions their records give."""
+    import torch
+
+    from sgl_kvmap.core.cache import KVCache
+    from sgl_kvmap.sglang.records import PageRecord, empty_record, record_key
+
+    reader = store_reader(store, served_name)
+    records = [PageRecord.from_tensor(reader.get(record_key(k), empty_record())) for k in keys]
+    assert [r.index for r in records] == list(range(len(keys)))
+    page = records[0].page
+    tokens = torch.cat([page.to_tokens(reader.get(k, page.empty_page())) for k in keys], dim=1)
+    tokens = tokens.float()  # [2, T, layers, heads, head_dim]
+    layers = range(tokens.shape[2])
+    return KVCache(
+        [tokens[0, :, layer] for layer in layers],
+        [tokens[1, :, layer] for layer in layers],
+        torch.arange(tokens.shape[1]),
+    )
+
+
+def run_prompt(model, tokens):
+    from sgl_kvmap.models.capture import run
+
+    return run(model, tokens, logits_to_keep=1)
+
+
+def logprobs_after(model, prompt_out, answer: list[int]):
+    """The log-probability of each ``answer`` token after a prompt whose forward is
+    ``prompt_out`` (its cache and last logits), teacher-forced: [len(answer)] float64."""
+    import torch
+
+    from sgl_kvmap.models.capture import run
+
+    logits = [prompt_out.logits[-1:]]
+    if len(answer) > 1:
+        rest = run(
+            model, torch.tensor(answer[:-1]), past=prompt_out.cache, logits_to_keep=len(answer) - 1
+        )
+        logits.append(rest.logits)
+    logprobs = torch.cat(logits).double().log_softmax(-1)
+    return logprobs[torch.arange(len(answer)), torch.tensor(answer)]
+
+
 def test_concurrent_sessions_on_both_servers(live):
     """Sessions sent at once from threads, their first turns alternating between A and B, each
     second turn on the other server, as many swaps into each server as it translates at once

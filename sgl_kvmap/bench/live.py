@@ -187,6 +187,14 @@ class LiveClient:
 
     def answer_nll(self, model: str, prompt: Sequence[int], answer: Sequence[int]) -> float:
         """Mean negative log-likelihood (nats/token) of ``answer`` after ``prompt``."""
+        logprobs = self.answer_logprobs(model, prompt, answer)
+        return -sum(logprobs) / len(logprobs)
+
+    def answer_logprobs(
+        self, model: str, prompt: Sequence[int], answer: Sequence[int]
+    ) -> list[float]:
+        """The log-probability of each token of ``answer`` after ``prompt``, teacher-forced, as
+        ``model``'s server computes it over what it has cached of ``prompt``."""
         body = {
             "input_ids": [*prompt, *answer],
             "sampling_params": {"temperature": 0.0, "max_new_tokens": 1},
@@ -195,8 +203,7 @@ class LiveClient:
             "stream": False,
         }
         meta = self._post(model, body).get("meta_info") or {}
-        logprobs = answer_logprobs(meta.get("input_token_logprobs") or [], answer, len(prompt))
-        return -sum(logprobs) / len(logprobs)
+        return answer_logprobs(meta.get("input_token_logprobs") or [], answer, len(prompt))
 
     def _stream(self, model: str, body: dict) -> Iterator[dict]:
         import httpx
