@@ -1,4 +1,4 @@
-"""The live replay client (sgl_kvmap/bench/live.py) against stand-in SGLang servers.
+"""The live replay (sgl_kvmap/bench/live.py) and its client (sgl_kvmap/sglang/client.py) against stand-in SGLang servers.
 
 Each stand-in is a stdlib ``http.server`` on 127.0.0.1, in a thread, that answers ``/generate``
 as SGLang 0.5.23's native endpoint does: with ``"stream": true``, ``data: {json}\\n\\n`` events
@@ -30,9 +30,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from sgl_kvmap.bench.live import LiveClient, LiveServerError, replay
+from sgl_kvmap.bench.live import replay
 from sgl_kvmap.bench.records import agreement
 from sgl_kvmap.core.errors import KVMapError
+from sgl_kvmap.sglang.client import LiveClient, LiveServerError
 
 PAGE = 4
 
@@ -361,7 +362,7 @@ def test_each_mode_launches_the_servers_it_names(served_pair, tmp_path):
 def test_settle_waits_until_the_servers_store_writes_stop(tmp_path):
     """``LiveClient.settle``: the writer's counters of written pages change for a while after a
     request; the next request goes out once they have not changed for SETTLE_S."""
-    from sgl_kvmap.bench import live
+    from sgl_kvmap.sglang import client as live
 
     stats = tmp_path / "small_0_1.json"
     stats.write_text(json.dumps({"counters": {"stored_pages": 1}}))

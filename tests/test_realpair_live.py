@@ -70,7 +70,7 @@ def test_the_1_5b_server_continues_from_the_0_5b_servers_pages_translated(folder
     the pack's translation of the 0.5B's stored pages at their recorded positions."""
     from transformers import AutoTokenizer
 
-    from sgl_kvmap.bench.live import LiveClient
+    from sgl_kvmap.sglang.client import LiveClient
     from sgl_kvmap.sglang.servers import (
         free_port_base,
         sglang_args_lines,

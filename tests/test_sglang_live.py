@@ -5,7 +5,7 @@ Two engines serve the tiny pair of ``served_pair`` (model "a": 3 layers x 2 KV h
 from the command line that ``sgl-kvmap sglang-args --device cpu --engine A=tiny-a --engine
 B=tiny-b --pack ... --store-path TMP --max-total-tokens 8192`` prints (run as a user runs it,
 its output run with ``bash -c``, so the printed command is what is tested), and driven only
-through HTTP: ``POST /generate`` with ``input_ids``, greedy, by ``sgl_kvmap.bench.live``'s
+through HTTP: ``POST /generate`` with ``input_ids``, greedy, by ``sgl_kvmap.sglang.client``'s
 client, which reads SGLang's own ``meta_info.cached_tokens_details`` (device, host, storage).
 Everything sglang-args does not set is SGLang's default: the page size is sglang-args' 64, the
 prefetch threshold SGLang's 256 tokens (a request prefetches only when at least 256 tokens
@@ -53,7 +53,7 @@ import pytest
 
 pytest.importorskip("sglang", reason="the live-server tests need SGLang 0.5.23 (setup_cpu.sh)")
 
-from sgl_kvmap.bench.live import LiveClient  # noqa: E402
+from sgl_kvmap.sglang.client import LiveClient  # noqa: E402
 from sgl_kvmap.sglang.servers import (  # noqa: E402
     LiveServer,
     free_port_base,

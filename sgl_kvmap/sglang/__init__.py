@@ -5,7 +5,8 @@ writes beside each page, ``identity`` the writer's model in them, ``pages`` conv
 pages, ``heads`` says which KV heads a TP rank holds, ``translation`` translates one run of
 pages, ``jobs`` runs translations off SGLang's I/O thread, ``provenance`` keeps translated
 pages from being stored as native; ``settings`` and ``launch`` build its configuration and the
-launch flags. ``engine`` drives SGLang's own scheduler calls in process (the tests' and the
+launch flags; ``servers`` starts live servers from those flags and ``client`` talks to them over
+HTTP. ``engine`` drives SGLang's own scheduler calls in process (the tests' and the
 benchmark's engines). ``storage`` and ``engine`` are the only modules that import sglang;
 importing this package does not (docs/sglang.md).
 """
