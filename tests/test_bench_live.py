@@ -1,4 +1,5 @@
-"""The live replay (sgl_kvmap/bench/live.py) and its client (sgl_kvmap/sglang/client.py) against stand-in SGLang servers.
+"""The live replay (sgl_kvmap/bench/live.py) and its client (sgl_kvmap/sglang/client.py)
+against stand-in SGLang servers.
 
 Each stand-in is a stdlib ``http.server`` on 127.0.0.1, in a thread, that answers ``/generate``
 as SGLang 0.5.23's native endpoint does: with ``"stream": true``, ``data: {json}\\n\\n`` events
