@@ -29,4 +29,10 @@ if ! .venv-olah/bin/python -c "import olah.server" 2>/dev/null; then
   { python -m venv --clear .venv-olah && .venv-olah/bin/pip install -q olah==0.5.4; } ||
     echo "olah could not be installed: the Hub tests (tests/test_hub_servers.py) will skip" >&2
 fi
+# Mooncake, SGLang's distributed HiCache store (tests/test_sglang_mooncake.py runs a real master and
+# clients on 127.0.0.1): its CPU wheel, pinned by hash, plus the three Debian libraries its binaries
+# link and these machines lack, unpacked (no root, nothing system-wide) into .mooncake/lib, where
+# sgl_kvmap.sglang.mooncake finds them. Without them only the Mooncake tests skip.
+bash scripts/setup_mooncake.sh ||
+  echo "Mooncake could not be installed: the Mooncake tests (tests/test_sglang_mooncake.py) will skip" >&2
 python -c "import sglang.srt.managers.scheduler, sgl_kvmap; print('sgl-kvmap ready')"
