@@ -453,6 +453,27 @@ def main(verbose: bool) -> None:
 )
 @_lr_option("--tune-lr", PACK.tuning or TUNE)
 @_objective_option("--tune-objective", PACK.tuning or TUNE)
+@click.option(
+    "--nproc",
+    type=COUNT,
+    default=None,
+    help="Capture the statistics in this many processes (torchrun, one device each). "
+    "Default: one per visible GPU, or the ranks torchrun started.",
+)
+@click.option(
+    "--checkpoints",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Folder where each process saves its running statistics; a rerun of the same fit "
+    "resumes from them instead of capturing again.",
+)
+@click.option(
+    "--checkpoint-every",
+    type=COUNT,
+    default=CHECKPOINT_EVERY,
+    show_default=True,
+    help="Windows a process captures between two saves of its statistics.",
+)
 @click.pass_context
 def fit(
     ctx,
@@ -473,11 +494,16 @@ def fit(
     tune_steps,
     tune_lr,
     tune_objective,
+    nproc,
+    checkpoints,
+    checkpoint_every,
 ) -> None:
     """Fit a SOURCE -> TARGET mapper (a local folder or a Hugging Face Hub id) and save it as a
-    pack."""
+    pack. Under torchrun (or with --nproc N) the calibration windows split across processes
+    and rank 0 writes the one pack."""
     from .core.pack import check_destination
     from .fitting.build import build_pack
+    from .fitting.distributed import describe_devices, fit_on_ranks, ranks_from_env
     from .fitting.texts import check_model_tokenizers
 
     calibration_config = _config(
@@ -509,11 +535,55 @@ def fit(
     recipe = PackRecipe(calibration_config, tuning)
     check_destination(out, overwrite)  # before the fit's minutes, not after
     check_model_tokenizers(source, target)  # before any weight loads
-    mapper, summary = build_pack(source, target, list(calibration) or None, recipe)
-    mapper.info["metrics"]["command"] = _command_line()
-    mapper.save_pretrained(out, overwrite=overwrite)
-    click.echo(json.dumps(summary, indent=2))
-    click.echo(f"pack written to {out}")
+    ranks = ranks_from_env()
+    if ranks is None and (nproc or default_nproc()) > 1:
+        _relaunch_under_torchrun(ctx, nproc or default_nproc())
+    command = _command_line()
+
+    def save(mapper, summary) -> None:
+        mapper.info["metrics"]["command"] = command
+        mapper.save_pretrained(out, overwrite=overwrite)
+        click.echo(json.dumps(summary, indent=2))
+        click.echo(f"pack written to {out}")
+
+    if ranks is None and checkpoints is None:
+        save(*build_pack(source, target, list(calibration) or None, recipe))
+        return
+    if ranks is None or ranks.is_main:
+        click.echo(describe_devices(ranks), err=True)
+    calibration = list(calibration) or None
+    fit_on_ranks(source, target, calibration, recipe, ranks, save, checkpoints, checkpoint_every)
+
+
+def default_nproc() -> int:
+    """Processes a fit uses unless told: one per visible GPU (1 without GPUs)."""
+    import torch
+
+    return max(1, torch.cuda.device_count())
+
+
+def _relaunch_under_torchrun(ctx: click.Context, nproc: int) -> None:
+    """Run this command again under torchrun with ``nproc`` processes, and exit with its
+    status (the arguments as given, less --nproc)."""
+    import subprocess
+
+    argv = _without_option(ctx.meta.get("argv", []), "--nproc")
+    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    launcher += ["-m", "sgl_kvmap", *ctx.parent.meta.get("group_argv", []), *argv]
+    ctx.exit(subprocess.run(launcher).returncode)
+
+
+def _without_option(argv: list[str], flag: str) -> list[str]:
+    """``argv`` without ``flag`` and its value (``--flag V`` or ``--flag=V``)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == flag:
+            skip = True
+        elif not arg.startswith(f"{flag}="):
+            out.append(arg)
+    return out
 
 
 @main.command()
@@ -1324,6 +1394,70 @@ def sglang_args(ctx, engines, packs, store, store_path, page_size, port, tp_size
     for spec, argv in zip(specs, commands):
         click.echo(f"# {spec.name}")
         click.echo(shell_line(argv))
+
+
+def _server_urls(ctx: click.Context, param: click.Parameter, urls: tuple[str, ...]):
+    for url in urls:
+        if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1]) == 0:
+            raise click.BadParameter(f"expected http://HOST:PORT, got {url!r}", ctx, param)
+    return urls
+
+
+def _opening(ctx: click.Context, text_file: Path | None, ids_file: Path | None):
+    """The opening as text or token ids, from exactly one of --opening / --opening-ids."""
+    if (text_file is None) == (ids_file is None):
+        raise click.UsageError("give the opening as one of --opening FILE or --opening-ids FILE")
+    if text_file is not None:
+        text = text_file.read_text(encoding="utf-8")
+        if not text:
+            raise click.BadParameter("the file is empty", ctx, param_hint="'--opening'")
+        return text
+    from .core.strict_json import loads_finite
+
+    try:
+        ids = loads_finite(ids_file.read_bytes())
+    except ValueError as error:
+        raise click.BadParameter(f"not JSON: {error}", ctx, param_hint="'--opening-ids'") from None
+    if not isinstance(ids, list) or not ids or any(type(i) is not int or i < 0 for i in ids):
+        raise click.BadParameter(
+            "expected a non-empty JSON list of token ids (whole numbers >= 0)",
+            ctx,
+            param_hint="'--opening-ids'",
+        )
+    return ids
+
+
+@main.command()
+@click.argument("urls", nargs=-1, required=True, callback=_server_urls)
+@click.option(
+    "--opening",
+    "text_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="A text file: the opening every session shares, exactly as requests begin (a system "
+    "prompt with its chat-template markup). The servers tokenize it.",
+)
+@click.option(
+    "--opening-ids",
+    "ids_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="A JSON file: the opening as a list of token ids.",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=1),
+    default=600.0,
+    show_default=True,
+    help="Seconds to wait for each server to be healthy.",
+)
+@click.pass_context
+def warm(ctx, urls, text_file, ids_file, timeout) -> None:
+    """Serve the opening all sessions share on each SGLang server at URLS once, so every engine
+    holds it as its own KV and a swap translates only what follows it."""
+    from .sglang.warm import warm as warm_servers
+
+    opening = _opening(ctx, text_file, ids_file)
+    for warmed in warm_servers(urls, opening, timeout):
+        click.echo(warmed.line())
 
 
 # -- the registry: packs on the Hugging Face Hub -------------------------------------------

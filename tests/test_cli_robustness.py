@@ -186,3 +186,37 @@ def test_a_broken_pipe_elsewhere_is_still_an_error_in_one_line(models, monkeypat
 
     monkeypatch.setattr(KVMapper, "from_pretrained", broken)
     assert "Broken pipe" in fail_in_one_line(["inspect", models["pack"]])
+
+
+def test_warm_refuses_what_it_cannot_send_before_touching_a_server(tmp_path):
+    """``sgl-kvmap warm``: a URL without a scheme, no opening or two, an empty text file and ids
+    that are not a list of whole numbers are refused by click's parsing, naming the option."""
+    from .test_cli import refused_as_usage
+
+    text, ids, empty = tmp_path / "opening.txt", tmp_path / "ids.json", tmp_path / "empty.txt"
+    text.write_text("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")
+    empty.write_text("")
+    url = "http://127.0.0.1:9"
+    refused_as_usage(["warm", "127.0.0.1:30000", "--opening", str(text)], "URLS...")
+    for openings in ([], ["--opening", str(text), "--opening-ids", str(ids)]):
+        ids.write_text("[1, 2, 3]")
+        result = CliRunner().invoke(main, ["warm", url, *openings])
+        assert result.exit_code == 2 and "one of --opening FILE or --opening-ids FILE" in (
+            result.stderr
+        )
+    refused_as_usage(["warm", url, "--opening", str(empty)], "--opening")
+    for bad in ("[]", "[1, -2]", "[1.5]", "[true]", '{"ids": [1]}', "[1, NaN]", "not json"):
+        ids.write_text(bad)
+        refused_as_usage(["warm", url, "--opening-ids", str(ids)], "--opening-ids")
+
+
+def test_warm_names_a_server_that_is_not_healthy_in_time(tmp_path):
+    """A port where nothing listens: after --timeout seconds, one line naming the URL."""
+    from .test_cli import fail_in_one_line
+
+    ids = tmp_path / "ids.json"
+    ids.write_text("[1, 2, 3]")
+    line = fail_in_one_line(
+        ["warm", "http://127.0.0.1:9", "--opening-ids", str(ids), "--timeout", "1"]
+    )
+    assert "http://127.0.0.1:9 did not answer GET /health with 200 within 1 s" in line

@@ -390,6 +390,37 @@ def test_concurrent_sessions_on_both_servers(live):
         assert len(generation.output_ids) > 0
 
 
+def test_a_warmed_opening_stays_the_engines_own_and_only_what_follows_is_translated(live):
+    """``sgl-kvmap warm`` (its command line, run as an operator runs it once the servers are
+    healthy) serves a shared opening of a page and a bit on both servers. A session that
+    begins with it, served by A and then swapped to B: B reports the opening's page as a
+    device hit (its own KV, computed when warmed) and only A's pages after them, less the tail,
+    as storage hits (translated)."""
+    from click.testing import CliRunner
+
+    from sgl_kvmap.cli import main
+
+    opening = prompt(300, PAGE + 10)
+    opening_file = live.folder / "opening.json"
+    opening_file.write_text(json.dumps(opening))
+    urls = [live.server(m).url for m in "ab"]
+    result = CliRunner().invoke(main, ["warm", *urls, "--opening-ids", str(opening_file)])
+    assert result.exit_code == 0, result.output
+    for url in urls:
+        assert f"{url}: served the opening ({len(opening)} tokens); {PAGE} of them" in (
+            result.output
+        )
+    with live.client("a", "b") as client:
+        history = first_turn(client, live, "a", [*opening, *prompt(301, 330)])
+        second = [*history, *prompt(302, 60)]
+        generation = client.generate("b", second, ANSWER)
+    stored = min(leading(page_files(live.store, "a", second)), (len(second) - 1) // PAGE)
+    translated_pages = stored - 1 - live.extra_config("b")["tail_pages"]
+    assert translated_pages * PAGE >= 256  # SGLang's prefetch threshold
+    assert generation.cached == {"device": PAGE, "host": 0, "storage": translated_pages * PAGE}
+    assert len(generation.output_ids) > 0
+
+
 def test_a_restarted_b_never_serves_translated_pages_as_its_own(live, swapped_session):
     """After B translated the session, the store holds no page of B's model for any page of
     B's prompt (every one follows a translated page); B restarted with the same printed

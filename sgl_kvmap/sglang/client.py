@@ -85,6 +85,15 @@ class LiveClient:
             return Counter()
         return Counter(json.loads(path.read_text())["counters"])
 
+    def healthy(self, model: str) -> bool:
+        """Whether ``model``'s server answers ``GET /health`` with 200 now."""
+        import httpx
+
+        try:
+            return self._http.get(self.servers[model] + "/health", timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     def close(self) -> None:
         self._http.close()
 
@@ -94,9 +103,12 @@ class LiveClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def generate(self, model: str, tokens: Sequence[int], max_new_tokens: int) -> Generation:
+    def generate(self, model: str, tokens: Sequence[int] | str, max_new_tokens: int) -> Generation:
+        """Greedy ``max_new_tokens`` after the prompt ``tokens`` (token ids, or text the server
+        tokenizes), streamed."""
+        prompt = {"text": tokens} if isinstance(tokens, str) else {"input_ids": list(tokens)}
         body = {
-            "input_ids": list(tokens),
+            **prompt,
             "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens},
             "stream": True,
         }
