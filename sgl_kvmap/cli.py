@@ -30,6 +30,7 @@ from .core.errors import KVMapError
 from .core.manifest import MAX_COUNT
 from .fitting.config import (
     AUTO_K,
+    CHECKPOINT_EVERY,
     FAMILY_RATES,
     OBJECTIVES,
     DemoConfig,
@@ -503,7 +504,7 @@ def fit(
     and rank 0 writes the one pack."""
     from .core.pack import check_destination
     from .fitting.build import build_pack
-    from .fitting.distributed import describe_devices, fit_on_ranks, ranks_from_env
+    from .fitting.distributed import describe_devices, fit_resumable, ranks_from_env
     from .fitting.texts import check_model_tokenizers
 
     calibration_config = _config(
@@ -552,7 +553,7 @@ def fit(
     if ranks is None or ranks.is_main:
         click.echo(describe_devices(ranks), err=True)
     calibration = list(calibration) or None
-    fit_on_ranks(source, target, calibration, recipe, ranks, save, checkpoints, checkpoint_every)
+    fit_resumable(source, target, calibration, recipe, ranks, save, checkpoints, checkpoint_every)
 
 
 def default_nproc() -> int:
@@ -569,7 +570,7 @@ def _relaunch_under_torchrun(ctx: click.Context, nproc: int) -> None:
 
     argv = _without_option(ctx.meta.get("argv", []), "--nproc")
     launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
-    launcher += ["-m", "sgl_kvmap", *ctx.parent.meta.get("group_argv", []), *argv]
+    launcher += ["-m", "sgl_kvmap", *argv]
     ctx.exit(subprocess.run(launcher).returncode)
 
 

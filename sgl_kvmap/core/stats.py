@@ -40,7 +40,7 @@ class Moments:
     @classmethod
     def empty(cls, shift_x: torch.Tensor, shift_y: torch.Tensor) -> Moments:
         dx, dy = shift_x.numel(), shift_y.numel()
-        zeros = lambda *shape: torch.zeros(*shape, dtype=ACC)  # noqa: E731
+        zeros = lambda *shape: torch.zeros(*shape, dtype=ACC, device=shift_x.device)  # noqa: E731
         return cls(
             shift_x.to(ACC),
             shift_y.to(ACC),
@@ -76,7 +76,7 @@ class Moments:
             )
         xs = x.float() - self.shift_x.float()
         ys = y.float() - self.shift_y.float()
-        w = torch.ones(x.shape[0]) if weight is None else weight.float()
+        w = torch.ones(x.shape[0], device=x.device) if weight is None else weight.float()
         if (w < 0).any():
             raise KVMapError("row weights must be non-negative")
         xw = xs * w[:, None]
@@ -193,7 +193,7 @@ MOMENT_FIELDS = ("shift_x", "shift_y", "sum_x", "sum_y", "xx", "xy", "yy")
 def moments_to_tensors(m: Moments, prefix: str) -> dict[str, torch.Tensor]:
     """Flat ``{prefix.field: tensor}`` for safetensors (``n``: a 0-d int64, or float64 when
     the rows were weighted)."""
-    out = {f"{prefix}.{name}": getattr(m, name).contiguous() for name in MOMENT_FIELDS}
+    out = {f"{prefix}.{name}": getattr(m, name).cpu().contiguous() for name in MOMENT_FIELDS}
     out[f"{prefix}.n"] = torch.tensor(m.n, dtype=torch.int64 if isinstance(m.n, int) else ACC)
     return out
 

@@ -25,7 +25,7 @@ def build_pack(
     ``save_pretrained``) and the flat summary of what the fit and the tuning measured."""
     models = loaded(source), loaded(target)
     ((mapper, report),) = fit_mapper(*models, calibration, recipe.calibration)
-    return _tuned(mapper, report.summary(), *models, calibration, recipe)
+    return tuned(mapper, report.summary(), *models, calibration, recipe)
 
 
 def build_pack_pair(
@@ -39,12 +39,12 @@ def build_pack_pair(
     models = loaded(a), loaded(b)
     fits = fit_mapper(*models, calibration, recipe.calibration, both_directions=True)
     return [
-        _tuned(mapper, report.summary(), source, target, calibration, recipe)
+        tuned(mapper, report.summary(), source, target, calibration, recipe)
         for (mapper, report), (source, target) in zip(fits, (models, models[::-1]))
     ]
 
 
-def _tuned(mapper, summary, source, target, calibration, recipe) -> tuple[KVMapper, dict]:
+def tuned(mapper, summary, source, target, calibration, recipe) -> tuple[KVMapper, dict]:
     if recipe.tuning is not None:
         mapper, tuning = tune_mapper(mapper, source, target, calibration, recipe.tuning)
         summary.update(tuning.summary())

@@ -40,7 +40,7 @@ from ..core.mapper import KVMapper, content_features
 from ..core.spec import ModelSpec, check_pair
 from ..core.stats import Moments, moments_from_tensors, moments_to_tensors
 from ..core.token_weights import attention_received, token_weights
-from ..models.capture import LoadedModel, loaded, run
+from ..models.capture import LoadedModel, loaded, model_device, run
 from .config import AUTO_K, CalibrationConfig
 from .texts import calibration_windows, check_tokenizer, expand_paths, shuffled, stdlib_files
 
@@ -105,12 +105,18 @@ class PairStatistics:
     ) -> None:
         """Add one window's ``content_features`` of the source (x) and the target (y), rows
         weighted by ``weight: [rows]`` (None: unweighted)."""
+        if not self.train:
+            self.start(x, y)
         for kind in KINDS:
-            if kind not in self.train:
-                shift_x, shift_y = x[kind].mean(0), y[kind].mean(0)
-                self.train[kind] = Moments.empty(shift_x, shift_y)
-                self.heldout[kind] = Moments.empty(shift_x, shift_y)
             (self.heldout if held_out else self.train)[kind].update(x[kind], y[kind], weight)
+
+    def start(self, x: dict[str, torch.Tensor], y: dict[str, torch.Tensor]) -> None:
+        """Empty moments shifted by the means of these features (rows unweighted): the first
+        window's, whichever process adds it (so moments of several processes add as is)."""
+        for kind in KINDS:
+            shift_x, shift_y = x[kind].mean(0), y[kind].mean(0)
+            self.train[kind] = Moments.empty(shift_x, shift_y)
+            self.heldout[kind] = Moments.empty(shift_x, shift_y)
 
     def merged(self, other: PairStatistics) -> PairStatistics:
         """Statistics of both samples (e.g. two corpora captured apart), training with training
@@ -318,11 +324,25 @@ def collect_many(
     done = {state.windows for state in states}
     if len(done) != 1:
         raise KVMapError(f"statistics to grow together hold different window counts: {done}")
+    return add_windows(src, tgt, windows, range(done.pop(), len(windows)), config, states)
+
+
+def add_windows(
+    src: LoadedModel,
+    tgt: LoadedModel,
+    windows: list[torch.Tensor],
+    indices,
+    config: CalibrationConfig,
+    states: list[CalibrationState],
+) -> list[CalibrationState]:
+    """Add the windows at ``indices`` (positions in ``windows``, the whole calibration list,
+    which says which are held out) to every state, each model running once per window; each
+    state's ``windows`` grows by their number."""
     powers = {state.attention_power for state in states} - {0.0}
     heldout = _heldout_indices(len(windows), config.heldout_every)
-    rows = slice(config.skip_first, None, config.stride)
+    rows = _kept_rows(config)
     started = time.perf_counter()
-    for i in tqdm(range(done.pop(), len(windows)), desc="calibration windows", unit="win"):
+    for i in tqdm(indices, desc="calibration windows", unit="win"):
         (src_features, src_received), (tgt_features, tgt_received) = (
             _window_features(model, windows[i], rows, want_attention=bool(powers))
             for model in (src, tgt)
@@ -337,14 +357,23 @@ def collect_many(
                     tgt_features, src_features, i in heldout, _weights(src_received, power)
                 )
     for state in states:
-        state.windows = len(windows)
+        state.windows += len(indices)
         state.capture_seconds += time.perf_counter() - started
     return states
 
 
+def window_features(model: LoadedModel, ids: torch.Tensor, config: CalibrationConfig):
+    """The content-space K/V of one window's kept rows, as the statistics add them."""
+    return _window_features(model, ids, _kept_rows(config), want_attention=False)[0]
+
+
+def _kept_rows(config: CalibrationConfig) -> slice:
+    return slice(config.skip_first, None, config.stride)
+
+
 def _window_features(model: LoadedModel, ids: torch.Tensor, rows: slice, want_attention: bool):
     """(content_features of one window, attention each kept row receives or None)."""
-    result = run(model.model, ids, want_queries=want_attention)
+    result = run(model.model, ids.to(model_device(model.model)), want_queries=want_attention)
     features = content_features(result.cache, model.spec, rows)
     if not want_attention:
         return features, None

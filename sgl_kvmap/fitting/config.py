@@ -31,6 +31,7 @@ from ..core.mapper import KVMapper
 from ..models.transfer import Repair
 
 AUTO_K = ("auto", "auto-layer")
+CHECKPOINT_EVERY = 64  # windows a fitting process captures between two saves of its statistics
 
 
 @dataclass(frozen=True)

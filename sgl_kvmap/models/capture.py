@@ -70,6 +70,11 @@ def load_models_for(
     return load_model(source), load_model(target)
 
 
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of ``model``'s first parameter (where its input ids go)."""
+    return next(model.parameters()).device
+
+
 def loaded(model: str | LoadedModel) -> LoadedModel:
     """``model`` itself if it is loaded, else ``load_model(model)``."""
     return model if isinstance(model, LoadedModel) else load_model(str(model))
