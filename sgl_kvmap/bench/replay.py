@@ -213,7 +213,7 @@ def _judge(engine, deployment, plan, i, mode, slots, last_logits, quality_tokens
     model = engine.model.model
     cache = engine.pool_kv(slots)
     turn = plan.turns[i]
-    served = continuation_scores(model, cache, last_logits, turn.continuation)
+    served = served_scores(model, cache, last_logits, turn.continuation)
     if mode == REFERENCE_MODE:
         answer = greedy_answer(model, cache, last_logits, quality_tokens)
         nll, predicted = teacher_forced(model, cache, last_logits, answer)
@@ -249,7 +249,7 @@ def _baselines(deployment: Deployment, plan: ReplayPlan, i: int, reference: Scor
     }
 
 
-def continuation_scores(
+def served_scores(
     model, cache, last_logits: torch.Tensor, continuation: tuple[int, ...]
 ) -> Scores | None:
     """``continuation``'s teacher-forced scores after a prompt whose KV is ``cache`` and whose
