@@ -294,15 +294,16 @@ def _fit_on_ranks(source, target, calibration, recipe, ranks, save, checkpoints,
         _record_failure(ranks, err)
         raise
     state = collect_distributed(src, tgt, windows, recipe, ranks, False, checkpoints, every)
-    if not ranks.is_main:
+    if ranks.is_main:
+        try:
+            save(*_solved(state, src, tgt, calibration, recipe, ranks.world, len(windows)))
+        except BaseException as err:
+            _record_failure(ranks, err)
+            raise
+        _store().set(f"{_KEY}/saved", "1")
+    else:
         _wait_for_rank_zero(ranks)
-        return
-    try:
-        save(*_solved(state, src, tgt, calibration, recipe, ranks.world, len(windows)))
-    except BaseException as err:
-        _record_failure(ranks, err)
-        raise
-    _store().set(f"{_KEY}/saved", "1")
+    dist.barrier()  # no rank leaves (rank 0 may host the store) while another still reads it
 
 
 def _models_and_windows(source, target, calibration, recipe, ranks):

@@ -1,0 +1,221 @@
+"""Fitting across processes (sgl_kvmap/fitting/distributed.py): two real gloo ranks on CPU,
+started by torchrun or by multiprocessing (spawn, the env:// rendezvous torchrun sets up),
+against the one-process fit of the same tiny pair and text."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from sgl_kvmap.cli import main
+from sgl_kvmap.core.stats import Moments
+from sgl_kvmap.fitting.calibrate import (
+    CalibrationState,
+    calibration_token_windows,
+    collect_statistics,
+    load_state,
+)
+from sgl_kvmap.fitting.config import CalibrationConfig, PackRecipe
+from sgl_kvmap.fitting.distributed import Ranks, collect_shard, shard
+from sgl_kvmap.models.capture import load_model
+
+from .conftest import save_loaded
+
+WINDOWS = 16  # of 128 tokens: 8 per rank
+CALIBRATION = CalibrationConfig(tokens=WINDOWS * 128, window=128, top_k=2)
+FIT_ARGS = ["--tokens", str(WINDOWS * 128), "--window", "128", "--top-k", "2", "--tune-steps", "0"]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def folders(tiny_pair, text_dir, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("distributed")
+    return {
+        "source": Path(save_loaded(tiny_pair[0], root / "src")),
+        "target": Path(save_loaded(tiny_pair[1], root / "tgt")),
+        "text": text_dir / "calib",
+        "root": root,
+    }
+
+
+def fit_args(folders, out: Path, *extra: str) -> list[str]:
+    source, target, text = (str(folders[key]) for key in ("source", "target", "text"))
+    return ["fit", source, target, "--out", str(out), "--calibration", text, *FIT_ARGS, *extra]
+
+
+@pytest.fixture(scope="module")
+def one_process_pack(folders) -> dict[str, torch.Tensor]:
+    out = folders["root"] / "one-process"
+    result = CliRunner().invoke(main, fit_args(folders, out))
+    assert result.exit_code == 0, result.output
+    return load_file(out / "mapper.safetensors")
+
+
+def assert_same_pack(folder: Path, want: dict[str, torch.Tensor]) -> None:
+    got = load_file(folder / "mapper.safetensors")
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, job: str, args: list, logs: Path, die_after):
+    """One rank, as torchrun starts it: env:// rendezvous, stdout/stderr to files. ``job``:
+    "cli" runs the command line ``args``; "stats" saves the all-reduced statistics of
+    ``args`` = (source, target, text) to logs/stats-rank{rank}.safetensors. The rank
+    counts its model forwards (logs/forwards-rank{rank}) and, after ``die_after[rank]`` of
+    them, dies at once (os._exit: no cleanup, as a killed process)."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        os.dup2(os.open(logs / f"{name}-rank{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    torch.set_num_threads(1)
+    from sgl_kvmap.fitting import calibrate
+
+    forward, forwards = calibrate._window_features, []
+
+    def counted(*a, **kw):
+        if len(forwards) == die_after.get(rank, -1):
+            os._exit(9)
+        forwards.append(1)
+        (logs / f"forwards-rank{rank}").write_text(str(len(forwards)))
+        return forward(*a, **kw)
+
+    calibrate._window_features = counted
+    if job == "cli":
+        main(args)
+    from sgl_kvmap.fitting.calibrate import calibration_token_windows, save_state
+    from sgl_kvmap.fitting.distributed import collect_distributed, process_group, ranks_from_env
+
+    src, tgt = (load_model(str(path)) for path in args[:2])
+    windows = calibration_token_windows(src.tokenizer, [args[2]], CALIBRATION)
+    ranks = ranks_from_env()
+    with process_group(ranks):
+        state = collect_distributed(src, tgt, windows, PackRecipe(CALIBRATION), ranks)
+    save_state(state, logs / f"stats-rank{rank}.safetensors")
+
+
+def spawn_ranks(job: str, args, logs: Path, world: int = 2, die_after=None) -> list[int]:
+    """Run ``world`` ranks of ``job`` (see ``_rank_main``); their exit codes."""
+    logs.mkdir(parents=True, exist_ok=True)
+    spawn, port = multiprocessing.get_context("spawn"), free_port()
+    processes = [
+        spawn.Process(target=_rank_main, args=(rank, world, port, job, args, logs, die_after or {}))
+        for rank in range(world)
+    ]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=180)
+    return [process.exitcode for process in processes]
+
+
+def forwards(logs: Path, rank: int) -> int:
+    path = logs / f"forwards-rank{rank}"
+    return int(path.read_text()) if path.exists() else 0
+
+
+def test_shards_cover_every_window_once():
+    for n, world in ((16, 2), (7, 3), (2, 4)):
+        parts = [shard(n, Ranks(rank, world)) for rank in range(world)]
+        assert sorted(sum(parts, [])) == list(range(n))
+        assert parts == [shard(n, Ranks(rank, world)) for rank in range(world)]  # deterministic
+
+
+def test_all_reduced_statistics_equal_one_process(folders, tmp_path):
+    """Both ranks end with the same statistics, equal bit for bit to one process that sums
+    the two shards apart and adds them, and to the sequential one-process sum within float64
+    reassociation: n_windows * 2^-52 * (sum of the windows' absolute contributions)."""
+    logs = tmp_path / "logs"
+    args = [folders["source"], folders["target"], folders["text"]]
+    assert spawn_ranks("stats", args, logs) == [0, 0]
+    src, tgt = load_model(str(folders["source"])), load_model(str(folders["target"]))
+    ranked = [load_state(logs / f"stats-rank{r}.safetensors", src.spec, tgt.spec) for r in (0, 1)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the ranks' forwards, bit for bit
+    try:
+        windows = calibration_token_windows(src.tokenizer, [folders["text"]], CALIBRATION)
+        recipe = PackRecipe(CALIBRATION)
+        shards = [collect_shard(src, tgt, windows, recipe, Ranks(r, 2)) for r in (0, 1)]
+        sequential = collect_statistics(src, tgt, windows, CALIBRATION)
+        single = [_single_window(src, tgt, windows, i, sequential) for i in range(WINDOWS)]
+    finally:
+        torch.set_num_threads(threads)
+    assert ranked[0].windows == ranked[1].windows == WINDOWS
+    for split in ("train", "heldout"):
+        for kind in ("k", "v"):
+            got = [getattr(state.forward, split)[kind] for state in ranked]
+            shard_sum = getattr(shards[0].forward, split)[kind].merged(
+                getattr(shards[1].forward, split)[kind]
+            )
+            whole = getattr(sequential.forward, split)[kind]
+            parts = [getattr(s.forward, split)[kind] for s in single]
+            for name in ("sum_x", "sum_y", "xx", "xy", "yy"):
+                a, b = getattr(got[0], name), getattr(got[1], name)
+                assert torch.equal(a, b) and torch.equal(a, getattr(shard_sum, name)), name
+                magnitude = sum(getattr(p, name).abs() for p in parts)
+                bound = WINDOWS * 2.0**-52 * magnitude
+                assert ((a - getattr(whole, name)).abs() <= bound).all(), (split, kind, name)
+            assert got[0].n == whole.n and torch.equal(got[0].shift_x, whole.shift_x)
+
+
+def _single_window(src, tgt, windows, i, sequential) -> CalibrationState:
+    """Window ``i``'s own contribution, shifted as the whole statistics are."""
+    state = CalibrationState.empty(src.spec, tgt.spec, False, 0.0)
+    for split in ("train", "heldout"):
+        for kind in ("k", "v"):
+            m = getattr(sequential.forward, split)[kind]
+            getattr(state.forward, split)[kind] = Moments.empty(m.shift_x, m.shift_y)
+    from sgl_kvmap.fitting.calibrate import add_windows
+
+    (state,) = add_windows(src, tgt, windows, [i], CALIBRATION, [state])
+    return state
+
+
+def test_torchrun_fits_the_one_process_pack(folders, one_process_pack, tmp_path):
+    """`sgl-kvmap fit --nproc 2` relaunches itself under torchrun: two ranks, one pack."""
+    out = tmp_path / "pack"
+    command = [sys.executable, "-m", "sgl_kvmap", *fit_args(folders, out, "--nproc", "2")]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "fitting in 2 processes (gloo)" in done.stderr
+    assert done.stdout.rstrip().endswith(f"pack written to {out}")
+    assert_same_pack(out, one_process_pack)
+
+
+def test_a_killed_rank_leaves_no_pack_and_a_rerun_resumes(folders, one_process_pack, tmp_path):
+    out, logs, checkpoints = tmp_path / "out" / "pack", tmp_path / "logs", tmp_path / "ck"
+    args = fit_args(folders, out, "--checkpoints", str(checkpoints), "--checkpoint-every", "2")
+    out.parent.mkdir()
+    # rank 1: 2 forwards for window 0's shift, 4 for its first 2 windows (saved), 2 for its
+    # 3rd; dies in its 4th, before the next save
+    exits = spawn_ranks("cli", args, logs, die_after={1: 8})
+    assert exits == [1, 9]
+    error = [line for line in (logs / "stderr-rank0").read_text().splitlines() if "error" in line]
+    assert len(error) == 1 and error[0].startswith("error: rank 1 (its process died) of 2 failed")
+    assert not out.exists() and list(out.parent.iterdir()) == []  # no pack, no staging folder
+    assert len(list(checkpoints.iterdir())) == 2  # both ranks' running statistics
+    exits = spawn_ranks("cli", args, tmp_path / "rerun")
+    assert exits == [0, 0], (tmp_path / "rerun" / "stderr-rank0").read_text()[-2000:]
+    assert_same_pack(out, one_process_pack)
+    assert forwards(tmp_path / "rerun", 0) == 0  # rank 0 had finished its 8 windows
+    assert forwards(tmp_path / "rerun", 1) == 2 * (8 - 2)  # rank 1 captured only what it lacked
