@@ -1501,12 +1501,21 @@ def pull(repo_id, revision, force) -> None:
     help="Accept a pack fitted for other models than SOURCE and TARGET (logged).",
 )
 @click.option("--namespace", default=None, help="Hub namespace of conventionally named packs.")
-def resolve(source, target, build, offline, allow_mismatch, namespace) -> None:
+@click.option(
+    "--nproc",
+    type=COUNT,
+    default=None,
+    help="Processes a --build fits in (torchrun, one device each). Default: one per visible GPU.",
+)
+def resolve(source, target, build, offline, allow_mismatch, namespace, nproc) -> None:
     """Find the pack for SOURCE -> TARGET (local cache, then Hub, then --build); print its
     folder, and its recipe on stderr. Without --build any pack built here is taken, the
     default recipe's first; with --build only the default recipe's, built if missing."""
     from .registry.resolve import pack_recipe, resolve_pack
 
+    nproc = nproc or default_nproc()
+    if build:
+        click.echo(f"a build fits in {nproc} process(es)", err=True)
     folder = resolve_pack(
         source,
         target,
@@ -1514,6 +1523,7 @@ def resolve(source, target, build, offline, allow_mismatch, namespace) -> None:
         local_files_only=offline,
         allow_mismatch=allow_mismatch,
         namespace=namespace,
+        nproc=nproc,
     )
     click.echo(str(folder))
     click.echo(f"recipe {pack_recipe(folder)}", err=True)

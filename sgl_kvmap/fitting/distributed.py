@@ -30,6 +30,8 @@ import logging
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -433,3 +435,16 @@ def _is_zombie(pid: int) -> bool:
 
 def _one_line(err: BaseException) -> str:
     return " ".join(f"{type(err).__name__}: {err}".split())[:300]
+
+
+def fit_under_torchrun(source: str, target: str, out: Path, recipe: PackRecipe, nproc: int) -> None:
+    """Run ``sgl-kvmap fit`` under torchrun in ``nproc`` processes, writing (or replacing) the
+    pack at ``out``. Only the default recipe (what the command's defaults fit) can be asked
+    for this way. Raises KVMapError when the fit fails (its ranks' lines are on stderr)."""
+    if recipe != PackRecipe():
+        raise KVMapError("a build across processes fits the default recipe only")
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    command += ["-m", "sgl_kvmap", "fit", str(source), str(target), "--out", str(out)]
+    done = subprocess.run([*command, "--overwrite"], stdout=subprocess.DEVNULL)
+    if done.returncode != 0:
+        raise KVMapError(f"the fit in {nproc} processes failed (exit {done.returncode})")
