@@ -45,7 +45,7 @@ from ..core.errors import KVMapError
 from ..core.fit import KINDS
 from ..core.mapper import KVMapper
 from ..core.stats import ACC, MOMENT_FIELDS, Moments
-from ..models.capture import LoadedModel, loaded
+from ..models.capture import LoadedModel, loaded, model_device
 from .calibrate import (
     CalibrationState,
     add_windows,
@@ -196,9 +196,23 @@ def collect_shard(
 
 
 def _resumed(checkpoint, src, tgt, both_directions: bool, power: float) -> CalibrationState:
-    if checkpoint is not None and Path(checkpoint).is_file():
-        return load_state(checkpoint, src.spec, tgt.spec)
-    return CalibrationState.empty(src.spec, tgt.spec, both_directions, power)
+    if checkpoint is None or not Path(checkpoint).is_file():
+        return CalibrationState.empty(src.spec, tgt.spec, both_directions, power)
+    state = load_state(checkpoint, src.spec, tgt.spec)
+    device = model_device(src.model)  # where the features, so the sums, are
+    for stats in (state.forward, state.reverse):
+        for split in () if stats is None else (stats.train, stats.heldout):
+            for kind in KINDS:
+                split[kind] = _moved(split[kind], device)
+    return state
+
+
+def _moved(m: Moments, device: torch.device) -> Moments:
+    """``m`` with its tensors on ``device``."""
+    if m.sum_x.device == device:
+        return m
+    tensors = {name: getattr(m, name).to(device) for name in MOMENT_FIELDS}
+    return Moments(n=m.n, **tensors)
 
 
 def _start_at_window_zero(state, src, tgt, window: torch.Tensor, config) -> None:
@@ -210,14 +224,14 @@ def _start_at_window_zero(state, src, tgt, window: torch.Tensor, config) -> None
 
 
 def all_reduced(state: CalibrationState, ranks: Ranks) -> CalibrationState:
-    """Every rank's statistics summed over ranks (float64), in place; windows summed, capture
-    time the slowest rank's. Moments whose shift differs from rank 0's (a nondeterministic
-    forward of window 0) are moved to rank 0's first (``Moments.reshifted``)."""
+    """Every rank's statistics summed over ranks (float64; on the CPU after), in place; windows
+    summed, capture time the slowest rank's. Moments whose shift differs from rank 0's (a
+    nondeterministic forward of window 0) are moved to rank 0's first (``Moments.reshifted``)."""
     for stats in (state.forward, state.reverse):
         for split in () if stats is None else (stats.train, stats.heldout):
             for kind in KINDS:
                 split[kind] = _reduced(split[kind])
-    counts = torch.tensor([state.windows, state.capture_seconds], dtype=ACC)
+    counts = torch.tensor([state.windows, state.capture_seconds], dtype=ACC, device=_device())
     seconds = counts[1:].clone()
     dist.all_reduce(counts)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
@@ -225,7 +239,15 @@ def all_reduced(state: CalibrationState, ranks: Ranks) -> CalibrationState:
     return state
 
 
+def _device() -> torch.device:
+    """Where this rank's collectives' tensors live (NCCL takes GPU tensors only)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _reduced(m: Moments) -> Moments:
+    m = _moved(m, _device())
     shift_x, shift_y = m.shift_x.clone(), m.shift_y.clone()
     dist.broadcast(shift_x, 0)
     dist.broadcast(shift_y, 0)
@@ -236,7 +258,7 @@ def _reduced(m: Moments) -> Moments:
     for name in MOMENT_FIELDS[2:]:
         dist.all_reduce(getattr(m, name))
     m.n = int(n.item()) if isinstance(m.n, int) else n.item()
-    return m
+    return _moved(m, torch.device("cpu"))  # the solves run in float64 on the CPU, as alone
 
 
 def collect_distributed(
