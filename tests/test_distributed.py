@@ -4,6 +4,7 @@ against the one-process fit of the same tiny pair and text."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import socket
@@ -24,11 +25,11 @@ from sgl_kvmap.fitting.calibrate import (
     collect_statistics,
     load_state,
 )
-from sgl_kvmap.fitting.config import CalibrationConfig, PackRecipe
+from sgl_kvmap.fitting.config import CalibrationConfig, PackRecipe, TuneConfig
 from sgl_kvmap.fitting.distributed import Ranks, collect_shard, shard
 from sgl_kvmap.models.capture import load_model
 
-from .conftest import save_loaded
+from .conftest import TINY_TUNING, fit_tiny_mapper, save_loaded
 
 WINDOWS = 16  # of 128 tokens: 8 per rank
 CALIBRATION = CalibrationConfig(tokens=WINDOWS * 128, window=128, top_k=2)
@@ -103,6 +104,8 @@ def _rank_main(rank: int, world: int, port: int, job: str, args: list, logs: Pat
     calibrate._window_features = counted
     if job == "cli":
         main(args)
+    if job == "tune":
+        return _tune_on_rank(rank, args, logs)
     from sgl_kvmap.fitting.calibrate import calibration_token_windows, save_state
     from sgl_kvmap.fitting.distributed import collect_distributed, process_group, ranks_from_env
 
@@ -112,6 +115,21 @@ def _rank_main(rank: int, world: int, port: int, job: str, args: list, logs: Pat
     with process_group(ranks):
         state = collect_distributed(src, tgt, windows, PackRecipe(CALIBRATION), ranks)
     save_state(state, logs / f"stats-rank{rank}.safetensors")
+
+
+TUNING = TuneConfig(steps=6, lr=3e-2, warmup=0, **{**TINY_TUNING, "eval_every": 3})
+
+
+def _tune_on_rank(rank: int, args, logs: Path) -> None:
+    """Tune the tiny pair's fitted map data-parallel; save the tuned map and its curve."""
+    from sgl_kvmap.fitting.distributed import process_group, ranks_from_env
+    from sgl_kvmap.fitting.tune import tune_mapper
+
+    src, tgt = (load_model(str(path)) for path in args[:2])
+    with process_group(ranks_from_env()):
+        tuned, report = tune_mapper(fit_tiny_mapper(src, tgt), src, tgt, [args[2]], TUNING)
+    tuned.save_pretrained(logs / f"tuned-rank{rank}")
+    (logs / f"curve-rank{rank}.json").write_text(json.dumps(report.curve))
 
 
 def spawn_ranks(job: str, args, logs: Path, world: int = 2, die_after=None) -> list[int]:
@@ -219,3 +237,25 @@ def test_a_killed_rank_leaves_no_pack_and_a_rerun_resumes(folders, one_process_p
     assert_same_pack(out, one_process_pack)
     assert forwards(tmp_path / "rerun", 0) == 0  # rank 0 had finished its 8 windows
     assert forwards(tmp_path / "rerun", 1) == 2 * (8 - 2)  # rank 1 captured only what it lacked
+
+
+def test_tuning_is_data_parallel_with_replicated_weights(folders, tmp_path):
+    """Two ranks tune on disjoint windows with averaged gradients: they end with the same
+    weights and curve; the held-out scores, split between them and all-reduced, are the
+    one-process scores of the same map."""
+    logs = tmp_path / "logs"
+    args = [folders["source"], folders["target"], folders["text"]]
+    assert spawn_ranks("tune", args, logs) == [0, 0]
+    tuned = [load_file(logs / f"tuned-rank{r}" / "mapper.safetensors") for r in (0, 1)]
+    assert tuned[0].keys() == tuned[1].keys()
+    assert all(torch.equal(tuned[0][name], tuned[1][name]) for name in tuned[0])
+    curves = [json.loads((logs / f"curve-rank{r}.json").read_text()) for r in (0, 1)]
+    assert curves[0] == curves[1] and [p["step"] for p in curves[0]] == [0, 3, 6]
+    from sgl_kvmap.fitting.tune import tune_mapper
+
+    src, tgt = (load_model(str(folders[key])) for key in ("source", "target"))
+    alone = tune_mapper(fit_tiny_mapper(src, tgt), src, tgt, [folders["text"]], TUNING)[1]
+    for key in ("heldout_nll", "heldout_accuracy"):
+        assert curves[0][0][key] == pytest.approx(alone.curve[0][key], rel=1e-5)
+    # one step reads a window per rank: the two runs see different windows, so they part
+    assert curves[0][1]["train_loss"] != pytest.approx(alone.curve[1]["train_loss"], rel=1e-6)

@@ -4,7 +4,9 @@ The statistics are sums, so the capture splits over processes: rank r of W takes
 windows r, r + W, r + 2W, ... (the held-out ones included, each still held out by its index in
 the whole list), every rank shifts its moments by window 0's feature means (as one process
 does: a rank that does not own window 0 runs it once for the shift), the float64 moments are
-all-reduced, and rank 0 alone selects layers, solves, tunes and writes the pack.
+all-reduced, and rank 0 alone selects layers, solves and writes the pack. When the recipe tunes,
+every rank solves the same statistics, takes rank 0's weights and tunes data-parallel
+(``tune.tune_mapper``: gradients averaged over ranks), and rank 0 writes the result.
 
 Equality with one process: every window's float32 products are the ones a single process
 adds; only the order of the float64 additions differs (rank r's running sum, then the
@@ -302,7 +304,7 @@ def fit_resumable(
         src, tgt, windows = _models_and_windows(source, target, calibration, recipe, None)
         checkpoint = _checkpoint(checkpoints, src, tgt, windows, recipe, None)
         state = collect_shard(src, tgt, windows, recipe, None, False, checkpoint, every)
-        save(*_solved(state, src, tgt, calibration, recipe, 1, len(windows)))
+        save(*_solved(state, src, tgt, calibration, recipe, None, len(windows)))
         return
     with process_group(ranks):
         try:
@@ -318,12 +320,15 @@ def _fit_on_ranks(source, target, calibration, recipe, ranks, save, checkpoints,
         _record_failure(ranks, err)
         raise
     state = collect_distributed(src, tgt, windows, recipe, ranks, False, checkpoints, every)
+    try:  # tuning is data-parallel: then every rank needs the fitted map
+        if ranks.is_main or recipe.tuning is not None:
+            built = _solved(state, src, tgt, calibration, recipe, ranks, len(windows))
+        if ranks.is_main:
+            save(*built)
+    except BaseException as err:
+        _record_failure(ranks, err)
+        raise
     if ranks.is_main:
-        try:
-            save(*_solved(state, src, tgt, calibration, recipe, ranks.world, len(windows)))
-        except BaseException as err:
-            _record_failure(ranks, err)
-            raise
         _store().set(f"{_KEY}/saved", "1")
     else:
         _wait_for_rank_zero(ranks)
@@ -344,9 +349,12 @@ def _checkpoint(folder, src, tgt, windows, recipe, ranks, both=False) -> Path | 
     return path
 
 
-def _solved(state, src, tgt, calibration, recipe, processes: int, n_windows: int):
-    """The mapper fitted from the whole statistics, and tuned, with its summary."""
+def _solved(state, src, tgt, calibration, recipe, ranks: Ranks | None, n_windows: int):
+    """The mapper fitted from the whole statistics, and tuned (on every rank, data-parallel,
+    from rank 0's fitted weights), with its summary."""
     from .build import tuned
+
+    processes = 1 if ranks is None else ranks.world
 
     info = {"text": text_description(calibration)}
     info["tokens"] = n_windows * recipe.calibration.window
@@ -361,7 +369,15 @@ def _solved(state, src, tgt, calibration, recipe, processes: int, n_windows: int
     mapper, report = fit_from_statistics(
         state.forward, recipe.calibration, info, state.capture_seconds
     )
+    if ranks is not None:
+        mapper = mapper.apply(_from_rank_zero)  # replicas start equal, whatever the solver did
     return tuned(mapper, report.summary(), src, tgt, calibration, recipe)
+
+
+def _from_rank_zero(tensor: torch.Tensor) -> torch.Tensor:
+    copy = tensor.detach().clone().contiguous()
+    dist.broadcast(copy, 0)
+    return copy
 
 
 def _wait_for_rank_zero(ranks: Ranks, poll_seconds: float = 0.5) -> None:

@@ -14,6 +14,11 @@ from the calibration's held-out files score the map every ``eval_every`` steps, 
 best-scoring weights are kept (the fitted ones included), so tuning never returns a map that
 is worse on held-out text.
 
+Data parallel: called on every rank of a torch.distributed group (``distributed.fit_resumable``),
+each rank takes every world-th training window, the gradients are averaged over ranks before
+each step (so every rank holds the same weights: one step reads ``world`` windows), and the
+held-out windows are scored in shares whose sums are all-reduced.
+
 The map stays linear and its shapes do not change: a tuned mapper is saved, loaded, translated
 by the kernels and served by the SGLang extension exactly like a fitted one. With
 ``residual_hidden`` a reduced-rank map also grows a small non-linear residual
@@ -24,10 +29,12 @@ every backend applies it (it is part of ``KVMapper.content_products``).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
@@ -103,10 +110,16 @@ def tune_mapper(
     check_models(mapper, source.spec, target.spec)
     config = config.for_mapper(mapper)
     started = time.perf_counter()
+    rank, world = _rank_and_world()
     training, heldout = tuning_windows(source.tokenizer, calibration, config)
-    scored = [(w, _source_cache(source, w, config), _teacher(target, w, config)) for w in heldout]
+    training = itertools.islice(training, rank, None, world)  # this rank's share
+    scored = [
+        (w, _source_cache(source, w, config), _teacher(target, w, config))
+        for w in heldout[rank::world]
+    ]
     guard = f"heldout_{config.objective}"  # the best weights: the lowest held-out objective
-    trainable, groups = _trainable(mapper, config, scored[0][1])
+    first_cache = scored[0][1] if rank == 0 else _source_cache(source, heldout[0], config)
+    trainable, groups = _trainable(mapper, config, first_cache)
     optimizer = torch.optim.Adam(groups)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup(config.warmup))
     report, best, losses = TuneReport(config), _copy(mapper), []
@@ -125,9 +138,10 @@ def tune_mapper(
             )
             optimizer.zero_grad()
             loss.backward()
+            _average_gradients(_parameters(trainable), world)
             optimizer.step()
             schedule.step()
-            losses.append(loss.item())
+            losses.append(_mean_over_ranks([loss.item()], world)[0])
             if step % config.eval_every == 0 or step == config.steps:
                 point = {"step": step, "train_loss": sum(losses) / len(losses)}
                 report.curve.append({**point, **_score(trainable, target, scored, config)})
@@ -259,10 +273,42 @@ def _score(mapper: KVMapper, target: LoadedModel, scored: list, config: TuneConf
             accuracy.append(window_accuracy.item())
             if window_divergence is not None:
                 divergence.append(window_divergence.item())
-    score = {"heldout_nll": sum(nll) / len(nll), "heldout_accuracy": sum(accuracy) / len(nll)}
-    if divergence:
-        score["heldout_kl"] = sum(divergence) / len(divergence)
+    sums = [sum(nll), sum(accuracy), sum(divergence), len(nll)]
+    total_nll, total_accuracy, total_divergence, count = _summed_over_ranks(sums)
+    score = {"heldout_nll": total_nll / count, "heldout_accuracy": total_accuracy / count}
+    if config.objective == "kl":
+        score["heldout_kl"] = total_divergence / count
     return score
+
+
+def _rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world size of torch.distributed's group ((0, 1) alone)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _average_gradients(tensors: list[torch.Tensor], world: int) -> None:
+    """Replace every gradient by its mean over the ranks (nothing to do alone). A tensor the
+    loss does not reach has no gradient on any rank (the same graph everywhere): skipped."""
+    for tensor in tensors if world > 1 else ():
+        if tensor.grad is None:
+            continue
+        dist.all_reduce(tensor.grad)
+        tensor.grad /= world
+
+
+def _summed_over_ranks(values: list[float]) -> list[float]:
+    """``values`` summed over the ranks, in float64 (as they are alone)."""
+    if _rank_and_world()[1] == 1:
+        return values
+    total = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(total)
+    return total.tolist()
+
+
+def _mean_over_ranks(values: list[float], world: int) -> list[float]:
+    return [v / world for v in _summed_over_ranks(values)]
 
 
 def _copy(mapper: KVMapper, trainable: bool = False) -> KVMapper:
