@@ -502,7 +502,7 @@ def test_a_pack_changed_on_disk_while_serving_changes_nothing(cluster, deploymen
         ({"peers": {"model_name": "x"}}, "peers must be a list"),
         ({"peers": [{"model_name": "x"}]}, "has no pack"),
         ({"sinks": "maybe"}, "sinks must be one of"),
-        ({"inner_backend": "mooncake"}, "not supported by sgl-kvmap yet"),
+        ({"inner_backend": "hf3fs"}, "not supported by sgl-kvmap"),
     ],
 )
 def test_a_wrong_extra_config_stops_the_server_with_its_message(cluster, extra, message):

@@ -23,7 +23,7 @@ BACKEND = {
     "module_path": "sgl_kvmap.sglang.storage",
     "class_name": "KVMapStorage",
 }
-INNER_BACKENDS = ("file",)
+INNER_BACKENDS = ("file", "mooncake")
 SINK_POLICIES = ("translate", "native")
 MAX_CONCURRENT_TRANSLATIONS = 64
 # The gap closed a pack records (``EvalReport.summary()``, written by ``sgl-kvmap eval --record``
@@ -72,8 +72,9 @@ class PeerSettings:
 
 @dataclass(frozen=True)
 class StorageSettings:
-    """inner_backend: the built-in store for this engine's own pages and its peers' (only
-    "file" so far). translate: serve translated pages at all (off: a transparent wrapper that
+    """inner_backend: the built-in store for this engine's own pages and its peers' ("file" on
+    one host, "mooncake" across hosts: SGLang's keys for it, such as master_server_address,
+    pass through). translate: serve translated pages at all (off: a transparent wrapper that
     still records its pages for others). sinks: "translate" also translates a prefix's first
     page when this engine has no copy of its own (a swap into a fresh engine), "native" only
     translates after a first page of its own. tail_pages: the last pages of a translatable run
@@ -110,9 +111,9 @@ class StorageSettings:
         _check_types(self, "the sgl-kvmap extra config")
         if self.inner_backend not in INNER_BACKENDS:
             raise KVMapError(
-                f"inner_backend {self.inner_backend!r} is not supported by sgl-kvmap yet (only "
-                f"{', '.join(INNER_BACKENDS)}): Mooncake and 3FS need their zero-copy v1 calls "
-                "wired and tested first"
+                f"inner_backend {self.inner_backend!r} is not supported by sgl-kvmap (only "
+                f"{', '.join(INNER_BACKENDS)}): 3FS and the other stores are not wired and "
+                "tested against a real server yet"
             )
         if self.tail_pages < 0:
             raise KVMapError(f"tail_pages must be >= 0, got {self.tail_pages}")

@@ -1,7 +1,8 @@
 """KVMapStorage: a HiCache storage backend that serves other models' pages, translated.
 
 Loaded by SGLang (0.5.23) as a ``dynamic`` HiCache storage backend. It wraps a built-in store
-(``file``), through which this engine stores and reads its own pages as usual, and adds:
+(``file``, or Mooncake across hosts: module ``mooncake``), through which this engine stores and
+reads its own pages as usual, and adds:
 
 - Write side: beside every page it stores as its own, a page record (``records``) under the
   page's key plus ``.kvmap`` in the same store: the page's index in its sequence, its parent
@@ -39,6 +40,7 @@ tests and the benchmark) are the only modules that import sglang.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -131,7 +133,14 @@ class Peer:
                 )
         except _Skip as skip:
             return found, skip
-        return found, None
+        return found, self._unrecorded(keys, held)
+
+    def _unrecorded(self, keys: list[str], held: int) -> _Skip | None:
+        """A page the peer stored without its record (lost, evicted or never written), right
+        where its records stop: why the run ends there."""
+        if held == len(keys) or not all(self.stores[r].exists(keys[held]) for r in self.ranks):
+            return None
+        return _Skip("record_missing", f"{self.name} stored page {keys[held]} without its record")
 
     def _record(self, key: str, name: str, rank: int, page_size: int) -> PageRecord:
         try:
@@ -256,7 +265,7 @@ class KVMapStorage(HiCacheStorage):
 
     def register_mem_pool_host(self, mem_pool_host) -> None:
         super().register_mem_pool_host(mem_pool_host)
-        self.inner = _built_in(self.settings.inner_backend, self.storage_config, mem_pool_host)
+        self.inner = self._inner_store(mem_pool_host)
         self.inner.register_mem_pool_host(mem_pool_host)
         try:
             self.page = _host_page_format(mem_pool_host)
@@ -271,6 +280,24 @@ class KVMapStorage(HiCacheStorage):
         if self.peers:
             self.jobs = JobPool(self.settings.concurrent_translations)
         self._publish()
+
+    def _inner_store(self, host) -> HiCacheStorage:
+        """This engine's own store: SGLang's built-in one (for Mooncake, a ``Keyspace`` over
+        the client SGLang's MooncakeStore sets up; a store error is counted as
+        ``store_error``)."""
+        if self.settings.inner_backend != "mooncake":
+            return _built_in(self.settings.inner_backend, self.storage_config, host)
+        from . import mooncake
+
+        extra = self.storage_config.extra_config or {}
+        mooncake.load_client()
+        mooncake.check_master(extra)
+        backend = _built_in("mooncake", self.storage_config, host)
+        prefix = mooncake.model_prefix(extra, self.storage_config.model_name or "")
+        on_error = functools.partial(self._fallback, "store_error")
+        return mooncake.Keyspace(
+            backend.store, prefix, self.storage_config.tp_rank, backend, on_error
+        )
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name):
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
@@ -322,8 +349,11 @@ class KVMapStorage(HiCacheStorage):
 
     def _peer_store(self, peer: PeerSettings, rank: int) -> HiCacheStorage:
         """The store of one rank of the peer engine (this engine's store, the peer's name),
-        read only: it never evicts the peer's files (the peer's own store bounds them)."""
+        read only: it never evicts the peer's files (the peer's own store bounds them). With
+        Mooncake, the peer's objects read through this engine's client."""
         own = self.storage_config
+        if self.settings.inner_backend == "mooncake":
+            return self.inner.peer(peer.model_name, rank, own.extra_config or {})
         extra = {**(own.extra_config or {}), **_NO_EVICTION}
         config = dataclasses.replace(
             own, model_name=peer.model_name, tp_rank=rank, tp_size=peer.tp_size, extra_config=extra

@@ -1,0 +1,259 @@
+"""KVMapStorage over a real Mooncake store (issue 32): a ``mooncake_master`` with its HTTP metadata
+server on free ports of 127.0.0.1, and the source and target engines as separate OS processes
+(as on two hosts), each with its own Mooncake client (tests/mooncake_servers.py). Each engine is
+sgl_kvmap.sglang.engine.Engine: SGLang's radix tree, cache controller and storage threads, driven
+through the scheduler's calls; its substitutions (CUDA copies, unpinned host pool) are listed
+there. Nothing of Mooncake is substituted; the pages and records are put and got over TCP.
+
+The swap is checked against the file store path (tests/test_sglang_storage.py's engines, in this
+process): the target's device pool holds the same KV, bit for bit. Faults are real: the master is
+killed and restarted, a segment too small for the trace evicts pages, objects are removed through
+a third client, a master that does not answer refuses the engine at start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sgl_kvmap.core.cache import KVCache
+from sgl_kvmap.core.errors import KVMapError
+from sgl_kvmap.core.mapper import KVMapper
+from sgl_kvmap.kernels import fast_matmul_dtype
+from sgl_kvmap.sglang import PeerSettings, StorageSettings
+from sgl_kvmap.sglang.engine import PAGE, page_keys
+from sgl_kvmap.sglang.launch import sglang_extra_config
+from sgl_kvmap.sglang.mooncake import COOLDOWN_SECONDS
+
+from .mooncake_servers import EngineProcess, Master, library_env, skip_reason
+from .test_sglang_storage import UNTIMED, Cluster, tokens
+
+pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason()))
+
+# SGLang's timeout policy (its deadline: 1 s base + 0.25 s per 1K tokens), and prefetches of a
+# few pages (SGLang's threshold is 256 tokens).
+TIMED = {"prefetch_threshold": PAGE, "prefetch_policy": "timeout"}
+DEADLINE = 1.0 + 0.25 * 8 * PAGE / 1024
+
+
+@pytest.fixture
+def master(tmp_path):
+    master = Master(tmp_path / "master.log")
+    yield master
+    master.kill()
+
+
+class Hosts:
+    """Engines of ``served_pair``'s "a" and "b" in processes of their own over ``master``."""
+
+    def __init__(self, deployment, master: Master, tmp_path):
+        self.deployment, self.master, self.tmp, self.engines = deployment, master, tmp_path, []
+
+    def extra(self, i: int, translate: bool, segment: int | None = None) -> dict:
+        names, other = self.deployment["names"], 1 - i
+        peer = PeerSettings(names[other], str(self.deployment["packs"][other, i]))
+        settings = StorageSettings(
+            inner_backend="mooncake",
+            translate=translate,
+            peers=(peer,),
+            interface_v1=True,
+            tail_pages=0,
+            quality_floor=None,
+        )
+        keys = self.master.extra(**({"segment": segment} if segment else {}))
+        return sglang_extra_config(settings, "", store_keys=keys)
+
+    def engine(self, i: int, translate: bool = True, timed=False, segment=None) -> EngineProcess:
+        spec = {
+            "model_path": self.deployment["names"][i],
+            "name": self.deployment["names"][i],
+            "extra": self.extra(i, translate, segment),
+            "engine": TIMED if timed else UNTIMED,
+        }
+        engine = EngineProcess(spec, self.tmp / f"engine{len(self.engines)}.log")
+        self.engines.append(engine)
+        return engine
+
+    def mapper(self, source: int, target: int) -> KVMapper:
+        return KVMapper.from_pretrained(self.deployment["packs"][source, target])
+
+
+@pytest.fixture
+def hosts(served_pair, master, tmp_path):
+    hosts = Hosts(served_pair, master, tmp_path)
+    yield hosts
+    for engine in hosts.engines:
+        engine.close()
+
+
+def read_kv(path) -> KVCache:
+    tensors = load_file(path)
+    layers = len(tensors) // 2
+    keys = [tensors[f"k{i}"] for i in range(layers)]
+    values = [tensors[f"v{i}"] for i in range(layers)]
+    return KVCache(keys, values, torch.arange(keys[0].shape[0]))
+
+
+def assert_same_kv(got: KVCache, want: KVCache) -> None:
+    for g, w in zip(got.keys + got.values, want.keys + want.values, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_a_swap_across_processes_translates_the_same_kv_as_the_file_store(
+    hosts, served_pair, tmp_path
+):
+    """Engine "a" stores a session's pages and records in Mooncake from its process; engine "b",
+    in another process with its own client, translates every full page at its true position:
+    its pool holds the pack's translation of what "a" stored, and exactly the KV the file store
+    path gives (no file is written)."""
+    prompt = tokens(5 * PAGE + 3, seed=1)
+    a, b = hosts.engine(0, translate=False), hosts.engine(1)
+    sent = a.serve(prompt, tmp_path / "a.safetensors")
+    served = b.serve(prompt, tmp_path / "b.safetensors")
+    assert sent["counters"]["stored_pages"] == 5 and sent["reused"] == 0
+    assert served["reused"] == 5 * PAGE and served["tiers"]["translated"] == 5 * PAGE
+    assert served["counters"]["translated_pages_delivered"] == 5
+    assert not any(k.startswith("fallback.") for k in served["counters"])
+    source = read_kv(tmp_path / "a.safetensors")
+    got = read_kv(tmp_path / "b.safetensors")
+    window = slice(0, 5 * PAGE)
+    sent_kv = KVCache(
+        [k[window] for k in source.keys], [v[window] for v in source.values], torch.arange(5 * PAGE)
+    )
+    want = hosts.mapper(0, 1).map(sent_kv, fast_matmul_dtype("cpu"))
+    assert_same_kv(
+        KVCache([k[window] for k in got.keys], [v[window] for v in got.values], want.positions),
+        want,
+    )
+    shifted = hosts.mapper(0, 1).map(dataclasses.replace(sent_kv, positions=sent_kv.positions + 1))
+    assert not torch.equal(shifted.keys[0], want.keys[0])  # so the positions were checked
+    assert not list(tmp_path.glob("**/*.bin"))  # pages and records live in Mooncake only
+    assert_same_kv(got, file_store_swap(served_pair, tmp_path / "files", prompt))
+
+
+def file_store_swap(deployment, store, prompt) -> KVCache:
+    """Target "b"'s pool KV of ``prompt`` after the same swap over the file store, in-process."""
+    cluster = Cluster(deployment, store)
+    try:
+        cluster.engine(0, translate=False).serve(prompt)
+        b = cluster.engine(1)
+        return b.pool_kv(b.serve(prompt).slots)
+    finally:
+        for engine in cluster.engines:
+            engine.close()
+
+
+def test_the_master_killed_mid_run_is_a_counted_fallback_and_its_restart_translates_again(
+    hosts, master
+):
+    """With the master killed, the target's requests are admitted within SGLang's prefetch
+    deadline plus one failing store call (then the client cools down), prefilled and counted;
+    once it is restarted (empty), the engines' clients reconnect and a newly stored session is
+    translated again."""
+    a, b = hosts.engine(0, translate=False, timed=True), hosts.engine(1, timed=True)
+    first, second, third = tokens(3 * PAGE, 11), tokens(3 * PAGE, 12), tokens(3 * PAGE, 13)
+    a.serve(first)
+    assert b.serve(first)["tiers"]["translated"] > 0  # (the deadline may cut a cold process's)
+    a.serve(second)
+    master.kill()
+    down = b.serve(second)
+    assert down["reused"] == 0
+    assert down["counters"].get("fallback.store_error", 0) >= 1
+    assert down["seconds"] < DEADLINE + STORE_ERROR_SECONDS
+    master.start()
+    time.sleep(RECONNECT_SECONDS + COOLDOWN_SECONDS)
+    stored = a.serve(third)["counters"]["stored_pages"]
+    back = b.serve(third)
+    assert stored >= 6 and back["tiers"]["translated"] > 0, back
+
+
+STORE_ERROR_SECONDS = 6.0  # Mooncake's client retries a dead master's RPC a few seconds
+RECONNECT_SECONDS = 3.0  # the clients find a restarted master on their next heartbeat
+
+
+def test_a_segment_too_small_for_the_trace_evicts_pages_and_the_swap_falls_back_counted(
+    served_pair, tmp_path
+):
+    """A master whose objects' leases end at once and which evicts once its segments are 4 %
+    full (Mooncake's smallest segment, 16 MiB, holds more than these tiny models store): storing
+    a trace of sessions evicts the first session's pages (before their soft-pinned records),
+    and the target's swap of it prefills what is gone, counted, and completes."""
+    master = Master(
+        tmp_path / "master.log",
+        "--default_kv_lease_ttl=1",
+        "--eviction_ratio=0.5",
+        "--eviction_high_watermark_ratio=0.04",
+    )
+    hosts = Hosts(served_pair, master, tmp_path)
+    try:
+        a = hosts.engine(0, translate=False, segment=SMALL_SEGMENT)
+        b = hosts.engine(1, segment=SMALL_SEGMENT)
+        trace = [tokens(SESSION, 100 + i) for i in range(TRACE_SESSIONS)]
+        for prompt in trace:
+            a.serve(prompt)
+        served = b.serve(trace[0])
+        assert served["tiers"]["translated"] < SESSION - PAGE  # SGLang asks for all but the last
+        counted = {k: n for k, n in served["counters"].items() if k.startswith("fallback.")}
+        assert counted, served["counters"]
+        assert b.serve(trace[-1])["tiers"]["translated"] > 0  # the latest session is still there
+    finally:
+        for engine in hosts.engines:
+            engine.close()
+        master.kill()
+
+
+SMALL_SEGMENT = 16 << 20  # bytes: Mooncake refuses to mount less
+SESSION, TRACE_SESSIONS = 8 * PAGE, 40  # 960 objects of ~1.5 KiB: past 4 % of two segments
+
+
+def remover(master: Master):
+    """A third Mooncake client, in this process, to remove objects as an operator (or Mooncake's
+    eviction) would."""
+    import os
+
+    from sgl_kvmap.sglang.mooncake import load_client
+
+    os.environ.update(library_env())
+    client = load_client()()
+    assert client.setup("127.0.0.1", master.metadata, 0, 16 << 20, "tcp", "", master.address) == 0
+    return client
+
+
+def object_name(deployment, prompt, page: int, suffix: str) -> str:
+    prefix = "-".join(deployment["names"][0].split("/"))
+    return f"{prefix}_{page_keys(prompt)[page]}{suffix}"
+
+
+@pytest.mark.parametrize(
+    "removed, reason",
+    [(".kvmap_0", "record_missing"), ("_0_k", "peer_page_lost")],
+    ids=["a page without its record", "a record without its page"],
+)
+def test_a_page_or_record_missing_ends_the_run_counted(hosts, master, served_pair, removed, reason):
+    """Page 2's record (or its K half) removed from the store: the pages before it are
+    translated, the rest prefilled, the reason counted."""
+    prompt = tokens(4 * PAGE, seed=21)
+    a, b = hosts.engine(0, translate=False), hosts.engine(1)
+    a.serve(prompt)
+    client = remover(master)
+    assert client.remove(object_name(served_pair, prompt, 2, removed), True) == 0
+    served = b.serve(prompt)
+    assert served["reused"] == 2 * PAGE
+    assert served["counters"][f"fallback.{reason}"] >= 1
+
+
+def test_a_master_that_does_not_answer_refuses_the_engine_in_one_line(hosts, master):
+    master.kill()
+    with pytest.raises(RuntimeError) as refused:
+        hosts.engine(1)
+    message = str(refused.value)
+    assert "does not answer" in message and master.address in message and "\n" not in message
+
+
+def test_3fs_stays_refused_with_a_clear_line():
+    with pytest.raises(KVMapError, match="not supported by sgl-kvmap"):
+        StorageSettings(inner_backend="hf3fs")
