@@ -2,7 +2,7 @@
 # Install Mooncake's CPU build into the current Python and the Debian libraries its store client
 # and master link (libibverbs1, libnl-3-200, libnl-route-3-200) into .mooncake/lib, each pinned by
 # hash. No root: the packages are fetched with `apt-get download` and unpacked with `dpkg -x`.
-# sgl_kvmap.sglang.mooncake loads the libraries from there (SGL_KVMAP_MOONCAKE_LIBS overrides it).
+# sgl_kvmap.sglang.mooncake loads the libraries from there (KVMAP_MOONCAKE_LIBS overrides it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pip install -q --no-deps --require-hashes -r /dev/stdin <<'PINS'

@@ -1272,8 +1272,20 @@ def _has_gpu() -> bool:
     type=click.Choice(INNER_BACKENDS),
     default=StorageSettings.inner_backend,
     show_default=True,
-    help="Built-in HiCache store the engines share (file: one node; Mooncake and 3FS are not "
-    "supported yet).",
+    help="Built-in HiCache store the engines share (file: one node; mooncake: engines on "
+    "several hosts, with --mooncake-master).",
+)
+@click.option(
+    "--mooncake-master",
+    default="",
+    help="With --store mooncake: the Mooncake master's HOST:PORT (RPC), reachable from every "
+    "engine's host.",
+)
+@click.option(
+    "--mooncake-metadata",
+    default="",
+    help="With --store mooncake: the HTTP metadata server's URL (default: the master's, "
+    "http://HOST:8080/metadata).",
 )
 @click.option(
     "--store-path",
@@ -1355,15 +1367,16 @@ def _has_gpu() -> bool:
     "'.translated'), to check translations against their source.",
 )
 @click.pass_context
-def sglang_args(ctx, engines, packs, store, store_path, page_size, port, tp_size, prefetch_policy,
-                device, max_total_tokens, tail_pages, concurrent_translations,
-                quality_floor, audit_translations):  # fmt: skip
+def sglang_args(ctx, engines, packs, store, mooncake_master, mooncake_metadata, store_path,
+                page_size, port, tp_size, prefetch_policy, device, max_total_tokens, tail_pages,
+                concurrent_translations, quality_floor, audit_translations):  # fmt: skip
     """Print the SGLang launch command of every ENGINE, sharing prefixes through sgl-kvmap."""
     from .sglang.launch import (
         engine_commands,
         engine_spec,
         floor_lines,
         measured_deadline,
+        mooncake_lines,
         peers_of,
         shell_line,
     )
@@ -1378,7 +1391,8 @@ def sglang_args(ctx, engines, packs, store, store_path, page_size, port, tp_size
     peers = peers_of(specs, list(packs))  # every pack between two engines, before timing any
     options = LaunchOptions(
         store, store_path, page_size, device, max_total_tokens, tail_pages,
-        concurrent_translations, audit_translations, quality_floor,
+        concurrent_translations, audit_translations, quality_floor, mooncake_master,
+        mooncake_metadata,
     )  # fmt: skip
     deadline, lines = measured_deadline(
         list(packs), prefetch_policy, concurrent=concurrent_translations, device=device
@@ -1392,6 +1406,8 @@ def sglang_args(ctx, engines, packs, store, store_path, page_size, port, tp_size
             f"{deadline.seconds(8192):.1f} s at 8,192)"
         )
     commands = engine_commands(specs, list(packs), options, deadline)
+    for line in mooncake_lines(options) if store == "mooncake" else []:
+        click.echo(line)
     for spec, argv in zip(specs, commands):
         click.echo(f"# {spec.name}")
         click.echo(shell_line(argv))

@@ -265,8 +265,20 @@ def test_sglang_args_give_the_target_its_peer_and_pack(fitted_pack, model_dirs):
     assert not StorageSettings.from_extra_config(extra[0]).translate  # no pack INTO the source
     assert extra[1]["prefetch_timeout_base"] >= 1 and extra[1]["prefetch_timeout_per_ki_token"] > 0
     assert "prefetch_timeout_base" not in extra[0]  # SGLang's defaults where nothing translates
-    mooncake = CliRunner().invoke(main, [*args, str(fitted_pack[0]), "--store", "mooncake"])
-    assert mooncake.exit_code == 2 and "'mooncake' is not 'file'" in mooncake.output
+    alone = fail_in_one_line([*args, str(fitted_pack[0]), "--store", "mooncake"])
+    assert "--mooncake-master" in alone
+    mooncake = succeed([*args, str(fitted_pack[0]), "--store", "mooncake", "--mooncake-master",
+                        "10.0.0.5:50051"])  # fmt: skip
+    lines = mooncake.output.splitlines()
+    master = shlex.split(next(line for line in lines if line.startswith("mooncake_master")))
+    assert "--rpc_port=50051" in master and "--enable_http_metadata_server=true" in master
+    commands = [shlex.split(line) for line in lines if line.startswith("py")]
+    flags = [launch_flags(c[3:]) for c in commands]
+    extra = [json.loads(f["--hicache-storage-backend-extra-config"]) for f in flags]
+    assert [sglang_parses(c[3:]).hicache_storage_backend for c in commands] == ["dynamic"] * 2
+    assert all(e["master_server_address"] == "10.0.0.5:50051" for e in extra)
+    assert all(e["metadata_server"] == "http://10.0.0.5:8080/metadata" for e in extra)
+    assert all(e["inner_backend"] == "mooncake" and "file_storage_path" not in e for e in extra)
     wrong = fail_in_one_line(["sglang-args", "--engine", source, "--pack", str(fitted_pack[0])])
     assert "not both among the engines" in wrong
 

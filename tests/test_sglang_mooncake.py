@@ -32,7 +32,7 @@ from sgl_kvmap.sglang.mooncake import COOLDOWN_SECONDS
 from .mooncake_servers import EngineProcess, Master, library_env, skip_reason
 from .test_sglang_storage import UNTIMED, Cluster, tokens
 
-pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason()))
+needs_mooncake = pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason()))
 
 # SGLang's timeout policy (its deadline: 1 s base + 0.25 s per 1K tokens), and prefetches of a
 # few pages (SGLang's threshold is 256 tokens).
@@ -103,6 +103,7 @@ def assert_same_kv(got: KVCache, want: KVCache) -> None:
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
+@needs_mooncake
 def test_a_swap_across_processes_translates_the_same_kv_as_the_file_store(
     hosts, served_pair, tmp_path
 ):
@@ -147,6 +148,7 @@ def file_store_swap(deployment, store, prompt) -> KVCache:
             engine.close()
 
 
+@needs_mooncake
 def test_the_master_killed_mid_run_is_a_counted_fallback_and_its_restart_translates_again(
     hosts, master
 ):
@@ -175,6 +177,7 @@ STORE_ERROR_SECONDS = 6.0  # Mooncake's client retries a dead master's RPC a few
 RECONNECT_SECONDS = 3.0  # the clients find a restarted master on their next heartbeat
 
 
+@needs_mooncake
 def test_a_segment_too_small_for_the_trace_evicts_pages_and_the_swap_falls_back_counted(
     served_pair, tmp_path
 ):
@@ -228,6 +231,7 @@ def object_name(deployment, prompt, page: int, suffix: str) -> str:
     return f"{prefix}_{page_keys(prompt)[page]}{suffix}"
 
 
+@needs_mooncake
 @pytest.mark.parametrize(
     "removed, reason",
     [(".kvmap_0", "record_missing"), ("_0_k", "peer_page_lost")],
@@ -246,6 +250,7 @@ def test_a_page_or_record_missing_ends_the_run_counted(hosts, master, served_pai
     assert served["counters"][f"fallback.{reason}"] >= 1
 
 
+@needs_mooncake
 def test_a_master_that_does_not_answer_refuses_the_engine_in_one_line(hosts, master):
     master.kill()
     with pytest.raises(RuntimeError) as refused:
@@ -257,3 +262,15 @@ def test_a_master_that_does_not_answer_refuses_the_engine_in_one_line(hosts, mas
 def test_3fs_stays_refused_with_a_clear_line():
     with pytest.raises(KVMapError, match="not supported by sgl-kvmap"):
         StorageSettings(inner_backend="hf3fs")
+
+
+def test_without_mooncake_an_engine_asking_for_it_gets_one_line(monkeypatch):
+    """Mooncake's client not importable (as on a machine without it): one line, what to install."""
+    import sys
+
+    from sgl_kvmap.sglang.mooncake import load_client
+
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)
+    with pytest.raises(KVMapError) as refused:
+        load_client()
+    assert "needs Mooncake's client" in str(refused.value) and "\n" not in str(refused.value)

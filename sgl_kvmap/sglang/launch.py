@@ -31,6 +31,7 @@ DEVICES = ("cuda", "cpu")  # --device: SGLang's GPU engine, or its CPU engine
 CPU_ENVIRONMENT = {"SGLANG_USE_CPU_ENGINE": "1"}
 CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native")
 STORE_PATH = "/tmp/sgl-kvmap-hicache"  # the file store's folder
+MOONCAKE_METADATA_PORT = 8080  # the Mooncake master's HTTP metadata server, by default
 STATS_FOLDER = "kvmap-stats"  # each engine's counters, in the store's folder
 PAGE_SIZE = 64  # every engine's --page-size (tokens per page)
 MAX_PAGE_SIZE = 1024  # beyond it a page outgrows the prompts it would cache
@@ -109,23 +110,73 @@ class LaunchOptions:
     concurrent_translations: int = StorageSettings.concurrent_translations
     audit_translations: bool = False
     quality_floor: float | None = StorageSettings.quality_floor
+    mooncake_master: str = ""
+    mooncake_metadata: str = ""
 
     def __post_init__(self) -> None:
         StorageSettings(quality_floor=self.quality_floor)  # its checks
+        if (self.store == "mooncake") != bool(self.mooncake_master):
+            raise KVMapError(
+                "--store mooncake and --mooncake-master HOST:PORT (the master's RPC address, "
+                "reachable from every engine's host) go together"
+            )
+        if self.mooncake_master and not _host_port(self.mooncake_master):
+            raise KVMapError(f"--mooncake-master must be HOST:PORT, got {self.mooncake_master!r}")
         if not 1 <= self.page_size <= MAX_PAGE_SIZE:
             raise KVMapError(f"page size must be 1 to {MAX_PAGE_SIZE} tokens, got {self.page_size}")
         if self.device not in DEVICES:
             raise KVMapError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.store not in INNER_BACKENDS:
             raise KVMapError(
-                f"store {self.store!r} is not supported by sgl-kvmap yet (only "
-                f"{', '.join(INNER_BACKENDS)}): Mooncake and 3FS need their zero-copy v1 calls "
-                "wired and tested first"
+                f"store {self.store!r} is not supported by sgl-kvmap (only "
+                f"{', '.join(INNER_BACKENDS)})"
             )
 
     @property
     def stats_path(self) -> str:
         return str(Path(self.store_path) / STATS_FOLDER)
+
+    @property
+    def metadata_server(self) -> str:
+        """The Mooncake HTTP metadata server's URL (by default the master's, on its host)."""
+        host = self.mooncake_master.rpartition(":")[0]
+        return self.mooncake_metadata or f"http://{host}:{MOONCAKE_METADATA_PORT}/metadata"
+
+    def store_keys(self) -> dict | None:
+        """SGLang's extra-config keys of the store, beyond the file store's folder (None: the
+        file store). Each engine's own address comes from ``MOONCAKE_LOCAL_HOSTNAME`` on its
+        host, which SGLang reads before the extra config."""
+        if self.store != "mooncake":
+            return None
+        return {
+            "master_server_address": self.mooncake_master,
+            "metadata_server": self.metadata_server,
+            "protocol": "tcp",
+        }
+
+
+def _host_port(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
+
+
+def mooncake_lines(options: LaunchOptions) -> list[str]:
+    """What to run before the engines of a Mooncake deployment: the master with its HTTP
+    metadata server, on the host ``--mooncake-master`` names, and the variable each engine's
+    host sets (comment lines, then the master's command)."""
+    port = options.mooncake_master.rpartition(":")[2]
+    metadata_port = options.metadata_server.rsplit(":", 1)[1].split("/")[0]
+    master = [
+        "mooncake_master", f"--rpc_port={port}", "--enable_http_metadata_server=true",
+        "--http_metadata_server_host=0.0.0.0", f"--http_metadata_server_port={metadata_port}",
+    ]  # fmt: skip
+    host = options.mooncake_master.rpartition(":")[0]
+    return [
+        f"# Mooncake master (on {host}), before the engines:",
+        shell_line(master),
+        "# on each engine's host: export MOONCAKE_LOCAL_HOSTNAME=<that host's address>, and "
+        "every --model-path and pack below readable there",
+    ]
 
 
 def engine_commands(
@@ -239,12 +290,17 @@ def floor_lines(
 
 
 def sglang_extra_config(
-    settings: StorageSettings, store_path: str, deadline: PrefetchDeadline | None = None
+    settings: StorageSettings,
+    store_path: str,
+    deadline: PrefetchDeadline | None = None,
+    store_keys: dict | None = None,
 ) -> dict:
     """One engine's ``--hicache-storage-backend-extra-config`` object: its sgl-kvmap settings
     plus the SGLang keys they rely on (the prefix's page keys with every write, which is how a
-    page's position reaches its record; the file store's folder; the prefetch deadline)."""
-    keys = {"hicache_storage_pass_prefix_keys": True, "file_storage_path": store_path}
+    page's position reaches its record; the file store's folder, or ``store_keys``, SGLang's keys
+    of another store such as Mooncake's ``master_server_address``; the prefetch deadline)."""
+    where = store_keys if store_keys is not None else {"file_storage_path": store_path}
+    keys = {"hicache_storage_pass_prefix_keys": True, **where}
     return settings.to_extra_config(**keys, **(deadline.sglang_keys() if deadline else {}))
 
 
@@ -262,7 +318,7 @@ def _command(engine, peers, options: LaunchOptions, deadline) -> list[str]:
         peers=tuple(peers),
     )
     deadline = deadline if peers else None
-    extra = sglang_extra_config(settings, options.store_path, deadline)
+    extra = sglang_extra_config(settings, options.store_path, deadline, options.store_keys())
     policy = ["--hicache-storage-prefetch-policy", deadline.policy] if deadline else []
     # one flag and its value a line, as on a command line
     return [
