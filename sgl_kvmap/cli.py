@@ -569,7 +569,13 @@ def _relaunch_under_torchrun(ctx: click.Context, nproc: int) -> None:
     import subprocess
 
     argv = _without_option(ctx.meta.get("argv", []), "--nproc")
-    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+    ]
     launcher += ["-m", "sgl_kvmap", *argv]
     ctx.exit(subprocess.run(launcher).returncode)
 

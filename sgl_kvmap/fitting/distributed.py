@@ -369,7 +369,7 @@ def _solved(state, src, tgt, calibration, recipe, ranks: Ranks | None, n_windows
     mapper, report = fit_from_statistics(
         state.forward, recipe.calibration, info, state.capture_seconds
     )
-    if ranks is not None:
+    if ranks is not None and recipe.tuning is not None:  # every rank solved: tuning follows
         mapper = mapper.apply(_from_rank_zero)  # replicas start equal, whatever the solver did
     return tuned(mapper, report.summary(), src, tgt, calibration, recipe)
 
@@ -418,6 +418,8 @@ def _record_failure(ranks: Ranks, err: BaseException) -> None:
 def _failure_line(ranks: Ranks, err: BaseException) -> str:
     """One line: which rank failed and why, as far as the store tells."""
     failed = _failed_ranks(ranks)
+    if not failed and isinstance(err, StoppedByLauncher):
+        return f"{ranks} was stopped by the launcher, no rank having failed; no pack written"
     if not failed:
         return f"{ranks} failed: {_one_line(err)}; no pack written"
     names = ", ".join(f"rank {rank}" + (f" ({why})" if why else "") for rank, why in failed)
@@ -481,7 +483,13 @@ def fit_under_torchrun(source: str, target: str, out: Path, recipe: PackRecipe, 
     for this way. Raises KVMapError when the fit fails (its ranks' lines are on stderr)."""
     if recipe != PackRecipe():
         raise KVMapError("a build across processes fits the default recipe only")
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+    ]
     command += ["-m", "sgl_kvmap", "fit", str(source), str(target), "--out", str(out)]
     done = subprocess.run([*command, "--overwrite"], stdout=subprocess.DEVNULL)
     if done.returncode != 0:
