@@ -31,6 +31,7 @@ from sgl_kvmap.sglang.mooncake import COOLDOWN_SECONDS
 
 from .mooncake_servers import EngineProcess, Master, library_env, skip_reason
 from .test_sglang_storage import UNTIMED, Cluster, tokens
+from .test_sglang_storage import two_head_pair as _two_head_pair  # noqa: F401 (a fixture)
 
 needs_mooncake = pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason()))
 
@@ -181,13 +182,14 @@ RECONNECT_SECONDS = 3.0  # the clients find a restarted master on their next hea
 def test_a_segment_too_small_for_the_trace_evicts_pages_and_the_swap_falls_back_counted(
     served_pair, tmp_path
 ):
-    """A master whose objects' leases end at once and which evicts once its segments are 4 %
+    """A master whose objects' leases end after 100 ms and which evicts once its segments are 4 %
     full (Mooncake's smallest segment, 16 MiB, holds more than these tiny models store): storing
-    a trace of sessions evicts the first session's pages (before their soft-pinned records),
-    and the target's swap of it prefills what is gone, counted, and completes."""
+    a trace of sessions evicts pages (before their soft-pinned records); the target's swap of a
+    session that lost a page before any record prefills from there, counted, and completes.
+    Which objects Mooncake evicts is its choice: a third client finds such a session."""
     master = Master(
         tmp_path / "master.log",
-        "--default_kv_lease_ttl=1",
+        "--default_kv_lease_ttl=100",
         "--eviction_ratio=0.5",
         "--eviction_high_watermark_ratio=0.04",
     )
@@ -198,19 +200,49 @@ def test_a_segment_too_small_for_the_trace_evicts_pages_and_the_swap_falls_back_
         trace = [tokens(SESSION, 100 + i) for i in range(TRACE_SESSIONS)]
         for prompt in trace:
             a.serve(prompt)
-        served = b.serve(trace[0])
-        assert served["tiers"]["translated"] < SESSION - PAGE  # SGLang asks for all but the last
-        counted = {k: n for k, n in served["counters"].items() if k.startswith("fallback.")}
-        assert counted, served["counters"]
-        assert b.serve(trace[-1])["tiers"]["translated"] > 0  # the latest session is still there
+        client = remover(master)
+        prompt, page = session_that_lost_a_page(client, served_pair, trace)
+        client.close()
+        served = b.serve(prompt)
+        assert served["tiers"]["translated"] == page * PAGE
+        assert served["counters"]["fallback.peer_page_lost"] >= 1
     finally:
         for engine in hosts.engines:
             engine.close()
         master.kill()
 
 
+def session_that_lost_a_page(client, deployment, trace) -> tuple[list[int], int]:
+    """A session of ``trace`` and its first page lost (``first_page_lost``), waiting for the
+    master's eviction thread, which runs in the background."""
+    deadline = time.monotonic() + EVICTION_SECONDS
+    while True:
+        for prompt in trace:
+            page = first_page_lost(client, deployment, prompt)
+            if page is not None:
+                return prompt, page
+        assert time.monotonic() < deadline, "the master evicted no page before its record"
+        time.sleep(0.5)
+
+
+EVICTION_SECONDS = 20.0
+
+
+def first_page_lost(client, deployment, prompt) -> int | None:
+    """The first page of ``prompt`` whose K or V half is gone while its record and every
+    earlier page and record are there (None: no such page)."""
+    for page in range(SESSION // PAGE - 1):  # SGLang asks for all but the last page
+        names = [object_name(deployment, prompt, page, s) for s in ("_0_k", "_0_v", ".kvmap_0")]
+        k, v, record = client.batch_is_exist(names)
+        if record != 1:
+            return None
+        if k != 1 or v != 1:
+            return page
+    return None
+
+
 SMALL_SEGMENT = 16 << 20  # bytes: Mooncake refuses to mount less
-SESSION, TRACE_SESSIONS = 8 * PAGE, 40  # 960 objects of ~1.5 KiB: past 4 % of two segments
+SESSION, TRACE_SESSIONS = 8 * PAGE, 60  # 1,440 objects of ~1.5 KiB: past 4 % of two segments
 
 
 def remover(master: Master):
@@ -245,6 +277,7 @@ def test_a_page_or_record_missing_ends_the_run_counted(hosts, master, served_pai
     a.serve(prompt)
     client = remover(master)
     assert client.remove(object_name(served_pair, prompt, 2, removed), True) == 0
+    client.close()
     served = b.serve(prompt)
     assert served["reused"] == 2 * PAGE
     assert served["counters"][f"fallback.{reason}"] >= 1
@@ -274,3 +307,54 @@ def test_without_mooncake_an_engine_asking_for_it_gets_one_line(monkeypatch):
     with pytest.raises(KVMapError) as refused:
         load_client()
     assert "needs Mooncake's client" in str(refused.value) and "\n" not in str(refused.value)
+
+
+@needs_mooncake
+def test_tensor_parallel_ranks_translate_their_own_heads_over_mooncake(_two_head_pair, master):  # noqa: F811
+    """TP 2 on both sides over 2 KV heads: each source rank stores its head's pages and records
+    under its rank, each target rank reads the source's heads from the ranks that hold them and
+    its pool holds the reference's columns of its own head. The ranks of each engine run in this
+    process (a server runs one process per rank), each rank with its own Mooncake client."""
+    from sgl_kvmap.sglang.engine import TPGroup
+    from sgl_kvmap.sglang.heads import rank_heads
+
+    names, models, pack = _two_head_pair
+    keys = master.extra(segment=2 * SEGMENT_PER_RANK)  # SGLang splits it among the ranks
+
+    def extra(settings: StorageSettings) -> dict:
+        return sglang_extra_config(settings, "", store_keys=keys)
+
+    off = extra(StorageSettings(inner_backend="mooncake", interface_v1=True))
+    peer = PeerSettings(names[0], pack, tp_size=2)
+    on = extra(
+        StorageSettings(
+            inner_backend="mooncake",
+            translate=True,
+            interface_v1=True,
+            peers=(peer,),
+            tail_pages=0,
+            quality_floor=None,
+        )
+    )
+    prompt = tokens(4 * PAGE + 3, seed=30)
+    source, target = TPGroup(models[0], names[0], off, 2, **UNTIMED), None
+    try:
+        sent = source.serve(prompt)
+        target = TPGroup(models[1], names[1], on, 2, **UNTIMED)
+        served = target.serve(prompt)
+        source_kv = source.pool_kv([s.slots[: 4 * PAGE] for s in sent])
+        want = KVMapper.from_pretrained(pack).map(source_kv, fast_matmul_dtype("cpu"))
+        for rank, (engine, got) in enumerate(zip(target.ranks, served)):
+            heads = rank_heads(2, 2, rank)
+            assert got.reused == 4 * PAGE
+            assert engine.storage.counters["translated_pages_delivered"] == 4
+            pool = engine.pool_kv(got.slots[: 4 * PAGE])
+            for g, w in zip(pool.keys + pool.values, want.keys + want.values):
+                torch.testing.assert_close(g, w[:, heads], rtol=0, atol=0)
+    finally:
+        for group in (source, target):
+            if group is not None:
+                group.close()
+
+
+SEGMENT_PER_RANK = 16 << 20  # Mooncake refuses to mount less

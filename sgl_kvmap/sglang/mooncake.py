@@ -199,7 +199,9 @@ class Keyspace:
         self.client.remove_by_regex(f"^{re.escape(self.prefix)}_", True)
 
     def close(self) -> None:
-        pass  # the client closes with its process, as SGLang's MooncakeStore leaves it
+        """Close this engine's client (a peer's keyspace shares it and closes nothing)."""
+        if self.backend is not None:
+            self.backend.store.close()
 
 
 def _PAGE():
