@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -144,6 +145,10 @@ def spawn_ranks(job: str, args, logs: Path, world: int = 2, die_after=None) -> l
         process.start()
     for process in processes:
         process.join(timeout=180)
+    for process in processes:  # a hung rank: killed, so no rank outlives the test
+        if process.is_alive():
+            process.kill()
+            process.join()
     return [process.exitcode for process in processes]
 
 
@@ -213,11 +218,30 @@ def test_torchrun_fits_the_one_process_pack(folders, one_process_pack, tmp_path)
     """`sgl-kvmap fit --nproc 2` relaunches itself under torchrun: two ranks, one pack."""
     out = tmp_path / "pack"
     command = [sys.executable, "-m", "sgl_kvmap", *fit_args(folders, out, "--nproc", "2")]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    done = run_in_own_session(command, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "fitting in 2 processes (gloo)" in done.stderr
     assert done.stdout.rstrip().endswith(f"pack written to {out}")
     assert_same_pack(out, one_process_pack)
+
+
+def run_in_own_session(command: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run ``command`` (which starts torchrun and its ranks) in a new session; on a timeout
+    kill the whole session, so no rank outlives the test."""
+    process = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def test_a_killed_rank_leaves_no_pack_and_a_rerun_resumes(folders, one_process_pack, tmp_path):
