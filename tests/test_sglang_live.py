@@ -249,13 +249,11 @@ def assert_translated(store: Path, sender: str, receiver: str, keys: list[str], 
     from sgl_kvmap.core.mapper import KVMapper
     from sgl_kvmap.kernels import PagedKV, translate_pages
     from sgl_kvmap.sglang.pages import PageFormat
-    from sgl_kvmap.sglang.records import PageRecord, empty_record, record_key
 
-    sent, received = store_reader(store, sender), store_reader(store, receiver)
-    records = [PageRecord.from_tensor(sent.get(record_key(k), empty_record())) for k in keys]
+    records, source = stored_pages(store, sender, keys)
+    received = store_reader(store, receiver)
     page = records[0].page
     assert [r.index for r in records] == list(range(records[0].index, records[0].index + len(keys)))
-    source = torch.cat([page.to_tokens(sent.get(k, page.empty_page())) for k in keys], dim=1)
     mapper = KVMapper.from_pretrained(pack)
     spec = mapper.target
     shape = (2, source.shape[1], spec.num_layers, spec.num_kv_heads, spec.head_dim)
@@ -291,6 +289,7 @@ def test_bs_answer_over_the_translated_pages_is_the_librarys_handoff(
     import torch
 
     from sgl_kvmap.core.mapper import KVMapper
+    from sgl_kvmap.models.capture import run
     from sgl_kvmap.models.transfer import handoff
 
     history, second, generation, expected = swapped_session
@@ -305,7 +304,7 @@ def test_bs_answer_over_the_translated_pages_is_the_librarys_handoff(
     tokens = torch.tensor(second)
     tail = len(second) - 1 - expected
     library = handoff(mapper, source, tokens, target, tail=tail, exact_first_layer=False)
-    reprefill = run_prompt(target, tokens)
+    reprefill = run(target, tokens, logits_to_keep=1)
     library, reprefill = (logprobs_after(target, out, answer) for out in (library, reprefill))
     served_error = (served - library).abs().max().item()
     translation_effect = (reprefill - library).abs().max().item()
@@ -317,19 +316,28 @@ def test_bs_answer_over_the_translated_pages_is_the_librarys_handoff(
     assert translation_effect > 10 * max(served_error, 1e-4)
 
 
+def stored_pages(store: Path, served_name: str, keys: list[str]):
+    """The records of pages ``keys`` as ``served_name``'s engine stored them, and the pages'
+    KV, token-major: [2, len(keys) x page size, layers, heads, head_dim]."""
+    import torch
+
+    from sgl_kvmap.sglang.records import PageRecord, empty_record, record_key
+
+    reader = store_reader(store, served_name)
+    records = [PageRecord.from_tensor(reader.get(record_key(k), empty_record())) for k in keys]
+    page = records[0].page
+    return records, torch.cat([page.to_tokens(reader.get(k, page.empty_page())) for k in keys], 1)
+
+
 def stored_cache(store: Path, served_name: str, keys: list[str]):
     """The KV of pages ``keys`` (a sequence's leading pages) as ``served_name``'s engine stored
     them, as a float32 ``KVCache`` at the positions their records give."""
     import torch
 
     from sgl_kvmap.core.cache import KVCache
-    from sgl_kvmap.sglang.records import PageRecord, empty_record, record_key
 
-    reader = store_reader(store, served_name)
-    records = [PageRecord.from_tensor(reader.get(record_key(k), empty_record())) for k in keys]
+    records, tokens = stored_pages(store, served_name, keys)
     assert [r.index for r in records] == list(range(len(keys)))
-    page = records[0].page
-    tokens = torch.cat([page.to_tokens(reader.get(k, page.empty_page())) for k in keys], dim=1)
     tokens = tokens.float()  # [2, T, layers, heads, head_dim]
     layers = range(tokens.shape[2])
     return KVCache(
@@ -337,12 +345,6 @@ def stored_cache(store: Path, served_name: str, keys: list[str]):
         [tokens[1, :, layer] for layer in layers],
         torch.arange(tokens.shape[1]),
     )
-
-
-def run_prompt(model, tokens):
-    from sgl_kvmap.models.capture import run
-
-    return run(model, tokens, logits_to_keep=1)
 
 
 def logprobs_after(model, prompt_out, answer: list[int]):

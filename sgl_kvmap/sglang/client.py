@@ -85,15 +85,6 @@ class LiveClient:
             return Counter()
         return Counter(json.loads(path.read_text())["counters"])
 
-    def healthy(self, model: str) -> bool:
-        """Whether ``model``'s server answers ``GET /health`` with 200 now."""
-        import httpx
-
-        try:
-            return self._http.get(self.servers[model] + "/health", timeout=5.0).status_code == 200
-        except httpx.HTTPError:
-            return False
-
     def close(self) -> None:
         self._http.close()
 

@@ -136,7 +136,7 @@ def wait_healthy(server: LiveServer, timeout: float = HEALTH_TIMEOUT_S, poll: fl
                 f"the server on port {server.port} exited with {server.process.returncode}; "
                 f"the end of {server.log_path}:\n{log_tail(server.log_path)}"
             )
-        if _healthy(server.url):
+        if healthy(server.url):
             return
         time.sleep(poll)
     raise ServerError(
@@ -145,7 +145,8 @@ def wait_healthy(server: LiveServer, timeout: float = HEALTH_TIMEOUT_S, poll: fl
     )
 
 
-def _healthy(url: str) -> bool:
+def healthy(url: str) -> bool:
+    """Whether the server at base URL ``url`` answers ``GET /health`` with 200 now."""
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
             return response.status == 200

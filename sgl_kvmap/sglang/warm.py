@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from ..core.errors import KVMapError
 from .client import LiveClient
+from .servers import healthy
 
 HEALTH_POLL_S = 1.0
 
@@ -51,7 +52,7 @@ def warm(urls: Sequence[str], opening: str | Sequence[int], timeout: float) -> l
 
 
 def _warm_one(client: LiveClient, url: str, opening: str | Sequence[int], timeout: float) -> Warmed:
-    _wait_healthy(client, url, timeout)
+    _wait_healthy(url, timeout)
     client.generate(url, opening, 1)
     again = client.generate(url, opening, 1)
     if again.cached["device"] == 0:
@@ -63,9 +64,9 @@ def _warm_one(client: LiveClient, url: str, opening: str | Sequence[int], timeou
     return Warmed(url, again.prompt_tokens, again.cached["device"])
 
 
-def _wait_healthy(client: LiveClient, url: str, timeout: float) -> None:
+def _wait_healthy(url: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    while not client.healthy(url):
+    while not healthy(url):
         if time.monotonic() > deadline:
             raise KVMapError(f"{url} did not answer GET /health with 200 within {timeout:g} s")
         time.sleep(HEALTH_POLL_S)
