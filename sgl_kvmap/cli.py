@@ -1097,6 +1097,21 @@ def demo(
     help="With --live: the folder under which each replay's store and the servers' logs go.",
 )
 @click.option(
+    "--page-size",
+    type=click.IntRange(1, MAX_PAGE_SIZE),
+    default=WORKLOAD.page_size,
+    show_default=True,
+    help="Tokens per KV page (sglang-args' --page-size); the scaled trace blocks must fill "
+    "whole pages.",
+)
+@click.option(
+    "--prefetch-threshold",
+    type=COUNT,
+    default=BENCH.prefetch_threshold,
+    help="Tokens a stored run needs before an engine fetches it (sglang-args' "
+    "--prefetch-threshold). Default: SGLang's own.",
+)
+@click.option(
     "--out",
     default="kvmap-bench",
     show_default=True,
@@ -1125,6 +1140,8 @@ def bench(
     device_tokens,
     seed,
     tail_pages,
+    page_size,
+    prefetch_threshold,
     warm_opening,
     quality_floor,
     live,
@@ -1164,6 +1181,7 @@ def bench(
         max_turns,
         max_prompt_tokens,
         continuation_tokens=continuation_tokens,
+        page_size=page_size,
     )
     config = _config(
         ctx,
@@ -1177,6 +1195,7 @@ def bench(
         quality_floor=quality_floor,
         tail_pages=tail_pages,
         warm_opening=warm_opening,
+        prefetch_threshold=prefetch_threshold,
     )
     given = {
         pair: _pack_folder(pack)
@@ -1244,6 +1263,7 @@ def _live_bench(names, packs, config, bar, device, port, store_path):
         device=device,
         max_total_tokens=config.device_tokens,
         quality_floor=config.quality_floor,
+        prefetch_threshold=config.prefetch_threshold,
     )
     logs = Path(store_path) / "logs"
     setup = LiveSetup(names, packs, options, port, config.deadline, logs)
@@ -1375,7 +1395,8 @@ def _has_gpu() -> bool:
 @click.pass_context
 def sglang_args(ctx, engines, packs, store, mooncake_master, mooncake_metadata, store_path,
                 page_size, port, tp_size, prefetch_policy, device, max_total_tokens, tail_pages,
-                concurrent_translations, quality_floor, audit_translations):  # fmt: skip
+                concurrent_translations, prefetch_threshold, quality_floor,
+                audit_translations):  # fmt: skip
     """Print the SGLang launch command of every ENGINE, sharing prefixes through sgl-kvmap."""
     from .sglang.launch import (
         engine_commands,
@@ -1398,7 +1419,7 @@ def sglang_args(ctx, engines, packs, store, mooncake_master, mooncake_metadata, 
     options = LaunchOptions(
         store, store_path, page_size, device, max_total_tokens, tail_pages,
         concurrent_translations, audit_translations, quality_floor, mooncake_master,
-        mooncake_metadata,
+        mooncake_metadata, prefetch_threshold,
     )  # fmt: skip
     deadline, lines = measured_deadline(
         list(packs), prefetch_policy, concurrent=concurrent_translations, device=device
@@ -1458,6 +1479,14 @@ def _opening(ctx: click.Context, text_file: Path | None, ids_file: Path | None):
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="A text file: the opening every session shares, exactly as requests begin (a system "
     "prompt with its chat-template markup). The servers tokenize it.",
+)
+@click.option(
+    "--prefetch-threshold",
+    type=COUNT,
+    default=None,
+    help="Tokens a stored run needs before an engine fetches it from the store (default: "
+    "SGLang's own, 256; at least one page). Lower it with small pages, so that short swapped "
+    "runs are translated instead of prefilled.",
 )
 @click.option(
     "--opening-ids",

@@ -309,9 +309,15 @@ def test_the_command_writes_records_summary_and_plots_and_keeps_foreign_folders(
     assert "1/8" in run["scale"] and run["trace"] == trace.name and "pack_01" in run["packs"]
     assert all((out / name).stat().st_size > 0 for name in ("summary.md", "ttft_cdf.png"))
     assert "alternate" in result.output and "sticky" in result.output
-    again = CliRunner().invoke(main, [*args, "--out", str(out), "--json"])
+    small_pages = ["--page-size", "16", "--prefetch-threshold", "16"]
+    again = CliRunner().invoke(main, [*args, *small_pages, "--out", str(out), "--json"])
     assert again.exit_code == 0, again.output
     assert {row["policy"] for row in json.loads(again.stdout)} == {"sticky", "alternate"}
+    config = json.loads((out / "run.json").read_text())["config"]
+    assert config["workload"]["page_size"] == 16 and config["prefetch_threshold"] == 16
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert all(sum(r["reused"].values()) % 16 == 0 for r in records)
+    assert any(sum(r["reused"].values()) % 64 for r in records)  # reuse at 16-token pages
 
     foreign = tmp_path / "mine"
     foreign.mkdir()

@@ -75,3 +75,32 @@ def test_cuda_engine_lines_are_unchanged_by_the_cpu_options(model_folders):
     assert sized == [*default, "--max-total-tokens", "8"]
     with pytest.raises(KVMapError, match="device must be one of"):
         LaunchOptions(device="tpu")
+
+
+def test_the_prefetch_threshold_reaches_sglangs_parser(model_folders):
+    """``prefetch_threshold`` goes into every engine's extra config, where SGLang's own parser
+    (``HybridCacheController.parse_storage_backend_extra_config``, what attaching the storage
+    backend calls) reads it; without it SGLang keeps its 256 tokens. Below one token it is
+    refused."""
+    import json
+
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
+        HybridCacheController,
+    )
+
+    from sgl_kvmap.core.errors import KVMapError
+    from sgl_kvmap.sglang.launch import EngineSpec, LaunchOptions, engine_commands
+
+    engines = [EngineSpec(model_folders["source"], "small")]
+
+    def parsed_threshold(options: LaunchOptions) -> int:
+        (argv,) = engine_commands(engines, [], options)
+        extra = argv[argv.index("--hicache-storage-backend-extra-config") + 1]
+        _, threshold, *_ = HybridCacheController.parse_storage_backend_extra_config(extra)
+        json.loads(extra)  # one JSON word on the command line
+        return threshold
+
+    assert parsed_threshold(LaunchOptions(page_size=16, prefetch_threshold=32)) == 32
+    assert parsed_threshold(LaunchOptions()) == 256
+    with pytest.raises(KVMapError, match="prefetch threshold 0 < 1"):
+        LaunchOptions(prefetch_threshold=0)

@@ -99,7 +99,9 @@ class LaunchOptions:
     without one), and KVMapStorage's settings for engines that translate (``tail_pages``,
     ``concurrent_translations``, ``audit_translations``: ``StorageSettings``). Every engine
     keeps its counters in ``stats_path`` (a folder beside the store's pages). ``quality_floor``:
-    the gap closed a pack must record for an engine to use it (``StorageSettings``)."""
+    the gap closed a pack must record for an engine to use it (``StorageSettings``).
+    ``prefetch_threshold``: the tokens a stored run needs before an engine fetches it (None:
+    SGLang's own, 256; SGLang raises it to one page at least)."""
 
     store: str = StorageSettings.inner_backend
     store_path: str = STORE_PATH
@@ -112,9 +114,12 @@ class LaunchOptions:
     quality_floor: float | None = StorageSettings.quality_floor
     mooncake_master: str = ""
     mooncake_metadata: str = ""
+    prefetch_threshold: int | None = None
 
     def __post_init__(self) -> None:
         StorageSettings(quality_floor=self.quality_floor)  # its checks
+        if self.prefetch_threshold is not None and self.prefetch_threshold < 1:
+            raise KVMapError(f"prefetch threshold {self.prefetch_threshold} < 1 token")
         if (self.store == "mooncake") != bool(self.mooncake_master):
             raise KVMapError(
                 "--store mooncake and --mooncake-master HOST:PORT (the master's RPC address, "
@@ -294,13 +299,17 @@ def sglang_extra_config(
     store_path: str,
     deadline: PrefetchDeadline | None = None,
     store_keys: dict | None = None,
+    prefetch_threshold: int | None = None,
 ) -> dict:
     """One engine's ``--hicache-storage-backend-extra-config`` object: its sgl-kvmap settings
     plus the SGLang keys they rely on (the prefix's page keys with every write, which is how a
     page's position reaches its record; the file store's folder, or ``store_keys``, SGLang's keys
-    of another store such as Mooncake's ``master_server_address``; the prefetch deadline)."""
+    of another store such as Mooncake's ``master_server_address``; the prefetch deadline; the
+    prefetch threshold, when not SGLang's own)."""
     where = store_keys if store_keys is not None else {"file_storage_path": store_path}
     keys = {"hicache_storage_pass_prefix_keys": True, **where}
+    if prefetch_threshold is not None:
+        keys["prefetch_threshold"] = prefetch_threshold
     return settings.to_extra_config(**keys, **(deadline.sglang_keys() if deadline else {}))
 
 
@@ -318,7 +327,9 @@ def _command(engine, peers, options: LaunchOptions, deadline) -> list[str]:
         peers=tuple(peers),
     )
     deadline = deadline if peers else None
-    extra = sglang_extra_config(settings, options.store_path, deadline, options.store_keys())
+    extra = sglang_extra_config(
+        settings, options.store_path, deadline, options.store_keys(), options.prefetch_threshold
+    )
     policy = ["--hicache-storage-prefetch-policy", deadline.policy] if deadline else []
     # one flag and its value a line, as on a command line
     return [
