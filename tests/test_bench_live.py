@@ -78,6 +78,7 @@ class Behaviour:
     nll_offset: float = 0.0  # and every logprob is lower by this
     status: int = 200  # anything else: answer with this status
     stream_error: str | None = None  # stream this error event instead of an answer
+    omit_prompt_tokens: bool = False  # meta_info without prompt_tokens
     received: list = field(default_factory=list)  # input_ids of every /generate
     history: list = field(default_factory=list)  # prompts this server served
 
@@ -162,6 +163,8 @@ def make_handler(behaviour: Behaviour):
                 }
             if finished:
                 meta["e2e_latency"] = 0.01
+            if behaviour.omit_prompt_tokens:
+                del meta["prompt_tokens"]
             return meta
 
         def _send(self, status, data):
@@ -319,6 +322,15 @@ def test_streamed_error_is_reported(servers):
     behaviours, urls = servers
     behaviours["small"].stream_error = "The input (10 tokens) is longer than the context"
     with pytest.raises(LiveServerError, match="streamed an error: The input"):
+        run(urls, "reprefill")
+
+
+def test_a_reply_without_its_prompt_length_is_reported(servers):
+    """The prompt's length comes from the server (a text prompt's is the tokenizer's): a reply
+    without ``meta_info.prompt_tokens`` is an error, never the request's own count."""
+    behaviours, urls = servers
+    behaviours["small"].omit_prompt_tokens = True
+    with pytest.raises(LiveServerError, match="small server .* sent no meta_info.prompt_tokens"):
         run(urls, "reprefill")
 
 

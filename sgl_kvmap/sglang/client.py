@@ -112,10 +112,12 @@ class LiveClient:
         if not chunks:
             raise LiveServerError(f"{self._where(model)} streamed no output for the request")
         meta = chunks[-1].get("meta_info") or {}
+        if "prompt_tokens" not in meta:  # the length of a text prompt is the server's to say
+            raise LiveServerError(f"{self._where(model)} sent no meta_info.prompt_tokens")
         return Generation(
             output_ids=_answer_ids(chunks, meta, self._where(model)),
             ttft_s=(first or time.perf_counter()) - started,
-            prompt_tokens=int(meta.get("prompt_tokens", len(tokens))),
+            prompt_tokens=int(meta["prompt_tokens"]),
             cached=cached_by_tier(meta),
         )
 
