@@ -22,7 +22,8 @@ pip install -q torch==2.14.1 uvloop==0.23.0 python-multipart==0.0.34 prometheus-
   interegular==0.3.3 xxhash==4.1.0 zstandard==0.25.0 tiktoken==0.14.0 blobfile==3.0.0 \
   watchfiles==1.3.0 scipy==1.17.1 pillow==13.0.0 regex==2026.5.9 distro==1.9.0 \
   nvidia-ml-py==13.615.71 jsonschema==4.26.0 xgrammar==0.2.7 soundfile==0.13.1
-pip install -q torch==2.14.1 transformers==5.19.0 -e '.[dev,bench]'
+# accelerate: fit --device-map (big-model inference: sharded and offloaded loading)
+pip install -q torch==2.14.1 transformers==5.19.0 accelerate==1.16.0 -e '.[dev,bench]'
 # The test Hub (tests/hub_servers.py) runs olah, a Hugging Face mirror server, from its own virtual
 # environment, so olah's web-framework pins never touch this one; without it the Hub tests skip.
 if ! .venv-olah/bin/python -c "import olah.server" 2>/dev/null; then

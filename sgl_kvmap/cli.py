@@ -202,6 +202,23 @@ class FloorType(click.ParamType):
         return floor
 
 
+class MaxMemoryType(click.ParamType):
+    """--max-memory: DEVICE=SIZE (gpu or cpu; 70GiB, 512MB, bytes) as (device, bytes)."""
+
+    name = "device=size"
+
+    def convert(self, value, param, ctx) -> tuple[str, int]:
+        if isinstance(value, tuple):
+            return value
+        from .models.placement import parse_max_memory
+
+        try:
+            return parse_max_memory(value)
+        except KVMapError as err:
+            self.fail(str(err), param, ctx)
+
+
+DTYPES = ("bfloat16", "float16", "float32")  # torch's names
 COUNT = click.IntRange(min=1)  # at least one
 AMOUNT = click.IntRange(min=0)  # 0: none / off
 PROMPT = click.IntRange(min=2)  # a prompt: at least two tokens (the last one is recomputed)
@@ -475,6 +492,35 @@ def main(verbose: bool) -> None:
     show_default=True,
     help="Windows a process captures between two saves of its statistics.",
 )
+@click.option(
+    "--dtype",
+    type=click.Choice(DTYPES),
+    default="float32",
+    show_default=True,
+    help="Precision the models load and run in for the capture (the statistics are summed in "
+    "float64 whatever it is).",
+)
+@click.option(
+    "--device-map",
+    type=click.Choice(["auto"]),
+    default=None,
+    help="Load each model across this process's devices with accelerate (its GPUs, then the "
+    "CPU, then disk) when one device cannot hold it; the captured K/V are the same.",
+)
+@click.option(
+    "--max-memory",
+    type=MaxMemoryType(),
+    multiple=True,
+    help="With --device-map: memory each model may use on each GPU of a process (gpu=SIZE) or "
+    "on the CPU (cpu=SIZE); repeat for both. Default: what is free.",
+)
+@click.option(
+    "--offload-folder",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="With --device-map: where weights that fit nowhere are written when they cannot be "
+    "read from the model's own safetensors (a folder per process and model inside).",
+)
 @click.pass_context
 def fit(
     ctx,
@@ -498,14 +544,19 @@ def fit(
     nproc,
     checkpoints,
     checkpoint_every,
+    dtype,
+    device_map,
+    max_memory,
+    offload_folder,
 ) -> None:
     """Fit a SOURCE -> TARGET mapper (a local folder or a Hugging Face Hub id) and save it as a
     pack. Under torchrun (or with --nproc N) the calibration windows split across processes
     and rank 0 writes the one pack."""
     from .core.pack import check_destination
     from .fitting.build import build_pack
-    from .fitting.distributed import describe_devices, fit_resumable, ranks_from_env
+    from .fitting.distributed import describe_devices, fit_resumable, load_pair, ranks_from_env
     from .fitting.texts import check_model_tokenizers
+    from .models.placement import Loading
 
     calibration_config = _config(
         ctx,
@@ -536,9 +587,11 @@ def fit(
     recipe = PackRecipe(calibration_config, tuning)
     check_destination(out, overwrite)  # before the fit's minutes, not after
     check_model_tokenizers(source, target)  # before any weight loads
+    loading = _loading(ctx, dtype, device_map, max_memory, offload_folder)
     ranks = ranks_from_env()
-    if ranks is None and (nproc or default_nproc()) > 1:
-        _relaunch_under_torchrun(ctx, nproc or default_nproc())
+    processes = nproc or default_nproc(sharded=device_map is not None)
+    if ranks is None and processes > 1:
+        _relaunch_under_torchrun(ctx, processes)
     command = _command_line()
 
     def save(mapper, summary) -> None:
@@ -547,20 +600,41 @@ def fit(
         click.echo(json.dumps(summary, indent=2))
         click.echo(f"pack written to {out}")
 
-    if ranks is None and checkpoints is None:
-        save(*build_pack(source, target, list(calibration) or None, recipe))
-        return
-    if ranks is None or ranks.is_main:
-        click.echo(describe_devices(ranks), err=True)
+    plain = ranks is None and checkpoints is None and loading == Loading()
+    if not plain and (ranks is None or ranks.is_main):
+        click.echo(describe_devices(ranks, loading), err=True)
     calibration = list(calibration) or None
-    fit_resumable(source, target, calibration, recipe, ranks, save, checkpoints, checkpoint_every)
+    if plain:
+        save(*build_pack(source, target, calibration, recipe))
+        return
+    if ranks is None and checkpoints is None:
+        save(*build_pack(*load_pair(source, target, loading), calibration, recipe))
+        return
+    fit_resumable(
+        source, target, calibration, recipe, ranks, save, checkpoints, checkpoint_every, loading
+    )
 
 
-def default_nproc() -> int:
-    """Processes a fit uses unless told: one per visible GPU (1 without GPUs)."""
+def default_nproc(sharded: bool = False) -> int:
+    """Processes a fit uses unless told: one per visible GPU (1 without GPUs), or 1 when each
+    model loads sharded across them."""
     import torch
 
-    return max(1, torch.cuda.device_count())
+    return 1 if sharded else max(1, torch.cuda.device_count())
+
+
+def _loading(ctx: click.Context, dtype: str, device_map, max_memory, offload_folder):
+    """How fit loads its models; the placement options only with --device-map."""
+    import torch
+
+    from .models.placement import Loading, Placement
+
+    if device_map is None and (max_memory or offload_folder is not None):
+        ctx.fail("--max-memory and --offload-folder take effect only with --device-map auto")
+    placement = None
+    if device_map is not None:
+        placement = Placement(tuple(max_memory), offload_folder)
+    return Loading(getattr(torch, dtype), placement)
 
 
 def _relaunch_under_torchrun(ctx: click.Context, nproc: int) -> None:

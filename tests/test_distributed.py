@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from sgl_kvmap.cli import main
-from sgl_kvmap.core.stats import Moments
+from sgl_kvmap.core.stats import MOMENT_FIELDS, Moments
 from sgl_kvmap.fitting.calibrate import (
     CalibrationState,
     calibration_token_windows,
@@ -29,6 +29,7 @@ from sgl_kvmap.fitting.calibrate import (
 from sgl_kvmap.fitting.config import CalibrationConfig, PackRecipe, TuneConfig
 from sgl_kvmap.fitting.distributed import Ranks, collect_shard, shard
 from sgl_kvmap.models.capture import load_model
+from sgl_kvmap.models.placement import Loading, Placement
 
 from .conftest import TINY_TUNING, fit_tiny_mapper, save_loaded
 
@@ -78,7 +79,8 @@ def free_port() -> int:
 def _rank_main(rank: int, world: int, port: int, job: str, args: list, logs: Path, die_after):
     """One rank, as torchrun starts it: env:// rendezvous, stdout/stderr to files. ``job``:
     "cli" runs the command line ``args``; "stats" saves the all-reduced statistics of
-    ``args`` = (source, target, text) to logs/stats-rank{rank}.safetensors. The rank
+    ``args`` = (source, target, text[, loading]) to logs/stats-rank{rank}.safetensors (and,
+    loaded by a placement, where its models' modules sit to logs/placement-rank{rank}). The rank
     counts its model forwards (logs/forwards-rank{rank}) and, after ``die_after[rank]`` of
     them, dies at once (os._exit: no cleanup, as a killed process)."""
     os.environ.update(
@@ -108,11 +110,19 @@ def _rank_main(rank: int, world: int, port: int, job: str, args: list, logs: Pat
     if job == "tune":
         return _tune_on_rank(rank, args, logs)
     from sgl_kvmap.fitting.calibrate import calibration_token_windows, save_state
-    from sgl_kvmap.fitting.distributed import collect_distributed, process_group, ranks_from_env
+    from sgl_kvmap.fitting.distributed import (
+        collect_distributed,
+        load_pair,
+        process_group,
+        ranks_from_env,
+    )
 
-    src, tgt = (load_model(str(path)) for path in args[:2])
-    windows = calibration_token_windows(src.tokenizer, [args[2]], CALIBRATION)
     ranks = ranks_from_env()
+    src, tgt = load_pair(*args[:2], *args[3:], ranks=ranks)
+    if args[3:]:
+        placed = [m.model.hf_device_map for m in (src, tgt)]
+        (logs / f"placement-rank{rank}.json").write_text(json.dumps(placed))
+    windows = calibration_token_windows(src.tokenizer, [args[2]], CALIBRATION)
     with process_group(ranks):
         state = collect_distributed(src, tgt, windows, PackRecipe(CALIBRATION), ranks)
     save_state(state, logs / f"stats-rank{rank}.safetensors")
@@ -201,6 +211,34 @@ def test_all_reduced_statistics_equal_one_process(folders, tmp_path):
             assert got[0].n == whole.n and torch.equal(got[0].shift_x, whole.shift_x)
 
 
+def test_offloaded_ranks_capture_what_whole_models_do(folders, tmp_path):
+    """Two ranks that each load both models with most of their weights on disk (accelerate)
+    end with, bit for bit, the statistics of whole models summed shard by shard."""
+    logs, budget = tmp_path / "logs", Placement(max_memory=(("cpu", 100_000),))
+    args = [folders["source"], folders["target"], folders["text"], Loading(placement=budget)]
+    assert spawn_ranks("stats", args, logs) == [0, 0]
+    for rank in (0, 1):
+        placed = json.loads((logs / f"placement-rank{rank}.json").read_text())
+        assert all("disk" in where.values() for where in placed), placed
+    src, tgt = load_model(str(folders["source"])), load_model(str(folders["target"]))
+    got = load_state(logs / "stats-rank0.safetensors", src.spec, tgt.spec)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the ranks' forwards, bit for bit
+    try:
+        windows = calibration_token_windows(src.tokenizer, [folders["text"]], CALIBRATION)
+        recipe = PackRecipe(CALIBRATION)
+        shards = [collect_shard(src, tgt, windows, recipe, Ranks(r, 2)) for r in (0, 1)]
+    finally:
+        torch.set_num_threads(threads)
+    for split in ("train", "heldout"):
+        for kind in ("k", "v"):
+            a = getattr(shards[0].forward, split)[kind]
+            want = a.merged(getattr(shards[1].forward, split)[kind])
+            have = getattr(got.forward, split)[kind]
+            assert have.n == want.n
+            assert all(torch.equal(getattr(have, f), getattr(want, f)) for f in MOMENT_FIELDS)
+
+
 def _single_window(src, tgt, windows, i, sequential) -> CalibrationState:
     """Window ``i``'s own contribution, shifted as the whole statistics are."""
     state = CalibrationState.empty(src.spec, tgt.spec, False, 0.0)
@@ -225,10 +263,29 @@ def test_torchrun_fits_the_one_process_pack(folders, one_process_pack, tmp_path)
     assert_same_pack(out, one_process_pack)
 
 
+def test_two_nodes_fit_the_one_process_pack(folders, one_process_pack, tmp_path):
+    """Two torchrun invocations, one process each, meet at a c10d rendezvous on 127.0.0.1 as
+    two nodes would: one of them is rank 0 and writes the pack, the other writes nothing."""
+    out, port = tmp_path / "pack", free_port()
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1"]
+    launcher += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=kvmap"]
+    command = [*launcher, "-m", "sgl_kvmap", *fit_args(folders, out)]
+    nodes = [start_in_own_session(command) for _ in range(2)]
+    done = [finish_in_own_session(node, command, timeout=300) for node in nodes]
+    assert [node.returncode for node in done] == [0, 0], done[0].stderr[-3000:]
+    written = [node.stdout.rstrip().endswith(f"pack written to {out}") for node in done]
+    assert sorted(written) == [False, True]
+    assert_same_pack(out, one_process_pack)
+
+
 def run_in_own_session(command: list[str], timeout: float) -> subprocess.CompletedProcess:
     """Run ``command`` (which starts torchrun and its ranks) in a new session; on a timeout
     kill the whole session, so no rank outlives the test."""
-    process = subprocess.Popen(
+    return finish_in_own_session(start_in_own_session(command), command, timeout)
+
+
+def start_in_own_session(command: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(
         command,
         cwd=ROOT,
         text=True,
@@ -236,6 +293,13 @@ def run_in_own_session(command: list[str], timeout: float) -> subprocess.Complet
         stderr=subprocess.PIPE,
         start_new_session=True,
     )
+
+
+def finish_in_own_session(
+    process: subprocess.Popen, command: list[str], timeout: float
+) -> subprocess.CompletedProcess:
+    """Wait for ``process`` (started by ``start_in_own_session``); on a timeout kill its whole
+    session."""
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

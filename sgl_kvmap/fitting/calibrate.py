@@ -41,6 +41,7 @@ from ..core.spec import ModelSpec, check_pair
 from ..core.stats import Moments, moments_from_tensors, moments_to_tensors
 from ..core.token_weights import attention_received, token_weights
 from ..models.capture import LoadedModel, loaded, model_device, run
+from ..models.placement import gathered
 from .config import AUTO_K, CalibrationConfig
 from .texts import calibration_windows, check_tokenizer, expand_paths, shuffled, stdlib_files
 
@@ -373,11 +374,14 @@ def _kept_rows(config: CalibrationConfig) -> slice:
 
 def _window_features(model: LoadedModel, ids: torch.Tensor, rows: slice, want_attention: bool):
     """(content_features of one window, attention each kept row receives or None)."""
-    result = run(model.model, ids.to(model_device(model.model)), want_queries=want_attention)
-    features = content_features(result.cache, model.spec, rows)
+    device = model_device(model.model)
+    result = run(model.model, ids.to(device), want_queries=want_attention)
+    cache = gathered(result.cache, device)  # a model sharded across GPUs: one device
+    features = content_features(cache, model.spec, rows)
     if not want_attention:
         return features, None
-    return features, attention_received(result.queries, result.cache.keys)[rows]
+    queries = [q.to(device) for q in result.queries]
+    return features, attention_received(queries, cache.keys)[rows]
 
 
 def _weights(received: torch.Tensor | None, power: float) -> torch.Tensor | None:

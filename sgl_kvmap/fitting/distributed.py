@@ -18,6 +18,11 @@ Failure: a rank that raises, or dies, leaves no pack: rank 0 writes only after e
 moments arrived, and every surviving rank ends with one line that names the failed rank
 (read from the rendezvous store, where each rank records its progress).
 
+A model too big for one device loads sharded inside its rank (``Loading.placement``:
+accelerate's ``device_map="auto"`` over the rank's own block of GPUs, then the CPU, then disk);
+its captured K/V are what it computes whole (``models.placement``), so the statistics do not
+depend on where its weights sit, and a checkpoint resumes under another placement.
+
 Resume: with a checkpoint folder, each rank saves its own running statistics every few
 windows (``calibrate.save_state``, atomic), in a file named by the run's plan (models, windows,
 settings, rank and world size); a rerun of the same plan loads it and captures the rest only.
@@ -47,7 +52,8 @@ from ..core.errors import KVMapError
 from ..core.fit import KINDS
 from ..core.mapper import KVMapper
 from ..core.stats import ACC, MOMENT_FIELDS, Moments
-from ..models.capture import LoadedModel, loaded, model_device
+from ..models.capture import LoadedModel, load_model, model_device
+from ..models.placement import Loading, describe_placement, is_dispatched, process_gpus
 from .calibrate import (
     CalibrationState,
     add_windows,
@@ -75,6 +81,7 @@ class Ranks:
     rank: int
     world: int
     local_rank: int = 0
+    local_world: int | None = None  # processes on this node (None: all ``world`` of them)
 
     @property
     def is_main(self) -> bool:
@@ -90,7 +97,8 @@ def ranks_from_env(environ=os.environ) -> Ranks | None:
     world = int(environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return None
-    return Ranks(int(environ["RANK"]), world, int(environ.get("LOCAL_RANK", "0")))
+    local_world = int(environ.get("LOCAL_WORLD_SIZE", str(world)))
+    return Ranks(int(environ["RANK"]), world, int(environ.get("LOCAL_RANK", "0")), local_world)
 
 
 def shard(n_windows: int, ranks: Ranks | None) -> list[int]:
@@ -100,29 +108,45 @@ def shard(n_windows: int, ranks: Ranks | None) -> list[int]:
     return list(range(ranks.rank, n_windows, ranks.world))
 
 
-def rank_device(ranks: Ranks | None) -> torch.device:
-    """The device a rank computes on: its local GPU when there is one, else the CPU."""
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", 0 if ranks is None else ranks.local_rank)
+def rank_gpus(ranks: Ranks | None, sharded: bool = False) -> list[int]:
+    """The GPUs a rank computes on: its local rank's, or, when its models load sharded, an
+    equal block of its node's GPUs (``placement.process_gpus``); none without GPUs."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local_rank = 0 if ranks is None else ranks.local_rank
+    if count == 0 or not sharded:
+        return [local_rank] if count else []
+    local_world = 1 if ranks is None else (ranks.local_world or ranks.world)
+    return process_gpus(local_rank, local_world, count)
 
 
-def describe_devices(ranks: Ranks | None) -> str:
+def rank_device(ranks: Ranks | None, sharded: bool = False) -> torch.device:
+    """The device a rank computes on (its collectives' and its models' inputs): its first GPU
+    when there is one, else the CPU."""
+    gpus = rank_gpus(ranks, sharded)
+    return torch.device("cuda", gpus[0]) if gpus else torch.device("cpu")
+
+
+def describe_devices(ranks: Ranks | None, loading: Loading = Loading()) -> str:
     """What a fit uses, in words (printed by the command line)."""
-    device = rank_device(ranks)
+    sharded = loading.placement is not None
+    device = rank_device(ranks, sharded)
     kind = "GPU" if device.type == "cuda" else "CPU"
+    dtype = str(loading.dtype).removeprefix("torch.")
+    where = describe_placement(loading.placement, rank_gpus(ranks, sharded))
     if ranks is None:
-        return f"fitting in 1 process on {device}"
+        return f"fitting in 1 process on {device}, {where}, in {dtype}"
     backend = "nccl" if device.type == "cuda" else "gloo"
-    return f"fitting in {ranks.world} processes ({backend}), one {kind} device per process"
+    per_process = f"one {kind} device per process" if not sharded else where
+    return f"fitting in {ranks.world} processes ({backend}), {per_process}, in {dtype}"
 
 
 @contextlib.contextmanager
-def process_group(ranks: Ranks) -> Iterator[None]:
+def process_group(ranks: Ranks, sharded: bool = False) -> Iterator[None]:
     """torch.distributed's default group for ``ranks`` (env:// rendezvous, NCCL on GPUs, gloo on
     CPU), destroyed on the way out; SIGTERM (a launcher stopping the survivors of a failed
-    rank) is raised as an error, so each rank still reports the failure in one line."""
-    device = rank_device(ranks)
+    rank) is raised as an error, so each rank still reports the failure in one line.
+    ``sharded``: the ranks' models load across several GPUs each (``rank_gpus``)."""
+    device = rank_device(ranks, sharded)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -157,6 +181,9 @@ def plan_digest(
     the calibration settings and the directions (a checkpoint of another plan is not loaded)."""
     digest = hashlib.sha256()
     settings = {"calibration": asdict(recipe.calibration), "both": both_directions}
+    dtypes = [str(model.model.dtype) for model in (src, tgt)]
+    if dtypes != [str(torch.float32)] * 2:  # other statistics (where weights sit does not count)
+        settings["dtypes"] = dtypes
     for part in (src.spec.fingerprint, tgt.spec.fingerprint, json.dumps(settings, sort_keys=True)):
         digest.update(part.encode())
     for window in windows:
@@ -295,27 +322,30 @@ def fit_resumable(
     save: Callable[[KVMapper, dict], None],
     checkpoints: Path | None = None,
     every: int = CHECKPOINT_EVERY,
+    loading: Loading = Loading(),
 ) -> None:
     """``build.build_pack`` that can resume (``checkpoints``) and split over ``ranks`` (None: this
     process alone): the statistics data-parallel, then rank 0 solves, tunes and calls
     ``save(mapper, summary)``. Across ranks, every rank returns once rank 0 has saved, or raises
-    one KVMapError that names the failed rank (then nothing was saved)."""
+    one KVMapError that names the failed rank (then nothing was saved). ``loading``: how each
+    process loads the models named by path (dtype; whole, or sharded across its devices)."""
+    models = (source, target, loading)
     if ranks is None:
-        src, tgt, windows = _models_and_windows(source, target, calibration, recipe, None)
+        src, tgt, windows = _models_and_windows(models, calibration, recipe, None)
         checkpoint = _checkpoint(checkpoints, src, tgt, windows, recipe, None)
         state = collect_shard(src, tgt, windows, recipe, None, False, checkpoint, every)
         save(*_solved(state, src, tgt, calibration, recipe, None, len(windows)))
         return
-    with process_group(ranks):
+    with process_group(ranks, sharded=loading.placement is not None):
         try:
-            _fit_on_ranks(source, target, calibration, recipe, ranks, save, checkpoints, every)
+            _fit_on_ranks(models, calibration, recipe, ranks, save, checkpoints, every)
         except BaseException as err:
             raise KVMapError(_failure_line(ranks, err)) from err
 
 
-def _fit_on_ranks(source, target, calibration, recipe, ranks, save, checkpoints, every) -> None:
+def _fit_on_ranks(models, calibration, recipe, ranks, save, checkpoints, every) -> None:
     try:
-        src, tgt, windows = _models_and_windows(source, target, calibration, recipe, ranks)
+        src, tgt, windows = _models_and_windows(models, calibration, recipe, ranks)
     except BaseException as err:
         _record_failure(ranks, err)
         raise
@@ -335,8 +365,9 @@ def _fit_on_ranks(source, target, calibration, recipe, ranks, save, checkpoints,
     dist.barrier()  # no rank leaves (rank 0 may host the store) while another still reads it
 
 
-def _models_and_windows(source, target, calibration, recipe, ranks):
-    src, tgt = (_on_device(loaded(m), ranks) for m in (source, target))
+def _models_and_windows(models, calibration, recipe, ranks):
+    source, target, loading = models
+    src, tgt = load_pair(source, target, loading, ranks)
     windows = calibration_token_windows(src.tokenizer, calibration, recipe.calibration)
     return src, tgt, windows
 
@@ -393,9 +424,32 @@ def _wait_for_rank_zero(ranks: Ranks, poll_seconds: float = 0.5) -> None:
         waited += poll_seconds
 
 
-def _on_device(model: LoadedModel, ranks: Ranks) -> LoadedModel:
+def load_pair(
+    source: str | LoadedModel,
+    target: str | LoadedModel,
+    loading: Loading = Loading(),
+    ranks: Ranks | None = None,
+) -> tuple[LoadedModel, LoadedModel]:
+    """Both models, loaded as ``loading`` says (a loaded model is taken as it is), on this
+    rank's device or, with a placement, across its devices."""
+    return _loaded_for_rank(source, loading, ranks, "source"), _loaded_for_rank(
+        target, loading, ranks, "target"
+    )
+
+
+def _loaded_for_rank(model, loading: Loading, ranks: Ranks | None, role: str) -> LoadedModel:
+    if isinstance(model, LoadedModel) or loading.placement is None:
+        if not isinstance(model, LoadedModel):
+            model = load_model(str(model), dtype=loading.dtype)
+        return _on_device(model, ranks)
+    rank = 0 if ranks is None else ranks.rank
+    arguments = loading.placement.loader_arguments(rank_gpus(ranks, True), f"{role}-rank{rank}")
+    return load_model(str(model), dtype=loading.dtype, placement=arguments)
+
+
+def _on_device(model: LoadedModel, ranks: Ranks | None) -> LoadedModel:
     device = rank_device(ranks)
-    if device.type != "cpu":
+    if device.type != "cpu" and not is_dispatched(model.model):
         model.model.to(device)
     return model
 

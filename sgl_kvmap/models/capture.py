@@ -21,6 +21,7 @@ from ..core.spec import (
     spec_from_config,
     spec_from_pretrained,
 )
+from .placement import input_device
 
 _CAPTURE_ATTENTION = "sgl_kvmap_capture"
 _capture_state = threading.local()
@@ -44,15 +45,20 @@ class LoadedModel:
 
 
 def load_model(
-    path: str, revision: str | None = None, dtype: torch.dtype = torch.float32
+    path: str,
+    revision: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    placement: dict | None = None,
 ) -> LoadedModel:
     """Load a causal LM + tokenizer (folder or Hub id, ``sources.model_folder``) for inference
-    and describe it (its spec names it ``path``)."""
+    and describe it (its spec names it ``path``). ``placement``: ``from_pretrained``'s
+    placement arguments (``placement.Placement.loader_arguments``: sharded or offloaded by
+    accelerate); None: the whole model on the CPU."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = model_folder(path, revision)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **(placement or {}))
     model.eval()
     spec = spec_from_config(model.config, tokenizer, str(path), commit_of(folder) or revision)
     return LoadedModel(model, tokenizer, spec)
@@ -71,8 +77,9 @@ def load_models_for(
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
-    """The device of ``model``'s first parameter (where its input ids go)."""
-    return next(model.parameters()).device
+    """Where ``model``'s input ids go: its first parameter's device, or, placed by accelerate,
+    its input embeddings' execution device (``placement.input_device``)."""
+    return input_device(model)
 
 
 def loaded(model: str | LoadedModel) -> LoadedModel:
