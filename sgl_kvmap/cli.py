@@ -1146,6 +1146,14 @@ def demo(
     "none, so the modes measure what translation does with the packs at hand.",
 )
 @click.option(
+    "--store",
+    type=click.Choice(INNER_BACKENDS),
+    default=BENCH.store,
+    show_default=True,
+    help="The store the engines share, fresh for each replay: file (a folder), or mooncake (a "
+    "mooncake_master started on 127.0.0.1, each engine with its own client; in-process only).",
+)
+@click.option(
     "--live",
     is_flag=True,
     help="Replay against two live sglang.launch_server processes started as sglang-args "
@@ -1218,6 +1226,7 @@ def bench(
     prefetch_threshold,
     warm_opening,
     quality_floor,
+    store,
     live,
     device,
     port,
@@ -1244,6 +1253,7 @@ def bench(
     from .sglang.launch import measured_deadline
 
     check_out(out)
+    _check_store(store, live)
 
     workload = _config(
         ctx,
@@ -1281,7 +1291,7 @@ def bench(
     deadline, lines = measured_deadline(list(packs.values()), device=device if live else "cpu")
     for line in [*lines, *_bench_floor_lines(names, packs)]:
         click.echo(f"# {line}", err=True)
-    config = dataclasses.replace(config, deadline=deadline)
+    config = dataclasses.replace(config, deadline=deadline, store=store)
     run = _live_bench if live else _in_process_bench
     with tqdm(total=None, desc="requests", unit="req") as bar:
         turns, records, engines = run(names, packs, config, bar, device, port, store_path)
@@ -1292,6 +1302,22 @@ def bench(
     else:
         click.echo(summary_markdown(records, run_header))
         click.echo(f"records, summary and plots written to {summary.parent}/")
+
+
+def _check_store(store: str, live: bool) -> None:
+    """Refuse, before any work, a store the bench cannot run here (one line)."""
+    if store != "mooncake":
+        return
+    if live:
+        raise click.UsageError(
+            "--store mooncake replays on in-process engines; for live servers over Mooncake, "
+            "launch them with sglang-args --store mooncake"
+        )
+    from .sglang.mooncake_master import unavailable
+
+    reason = unavailable()
+    if reason:
+        raise KVMapError(f"--store mooncake: {reason}")
 
 
 def _bench_floor_lines(names: dict[str, str], packs: dict) -> list[str]:

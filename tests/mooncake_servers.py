@@ -2,124 +2,31 @@
 server) on free ports, and engines as separate OS processes, each with its own Mooncake client, as
 on separate hosts.
 
-``Master`` starts, kills and restarts the master (the binary and the client's libraries that
-scripts/setup_mooncake.sh installs; ``skip_reason`` says why they cannot run here).
-``EngineProcess`` runs ``python -m tests.mooncake_servers`` (the ``main`` below): it loads a model
-folder and builds sgl_kvmap.sglang.engine.Engine (SGLang's radix tree, cache controller, storage
-threads and KVMapStorage, driven through the scheduler's calls) and serves one request per
-command it reads on stdin; it answers each on stdout with the request's reuse by tier, the
-storage counters and, on request, the KV its device pool holds for the prompt (a safetensors file).
+The master is sgl_kvmap.sglang.mooncake_master's ``Master`` (the one ``sgl-kvmap bench --store
+mooncake`` starts). ``EngineProcess`` runs ``python -m tests.mooncake_servers`` (the ``main``
+below): it loads a model folder and builds sgl_kvmap.sglang.engine.Engine (SGLang's radix tree,
+cache controller, storage threads and KVMapStorage, driven through the scheduler's calls) and
+serves one request per command it reads on stdin; it answers each on stdout with the request's
+reuse by tier, the storage counters and, on request, the KV its device pool holds for the prompt
+(a safetensors file). A spec's ``read_pause`` (seconds) has every translation job read its peer's
+pages that long after the hit query that started it, as a slow transfer would, announced on
+stdout (``EngineProcess.paused``).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from sgl_kvmap.sglang.mooncake import LIBRARIES, LIBS_ENV, libraries_folder
+from sgl_kvmap.sglang.mooncake_master import library_env
 
 ROOT = Path(__file__).resolve().parents[1]
 ANSWER = "KVMAP-ANSWER "
-START_SECONDS = 30
+PAUSED = "KVMAP-PAUSED "
 SEGMENT = 64 << 20  # each engine's share of the store (bytes)
-
-
-def skip_reason() -> str | None:
-    """Why a Mooncake master and client cannot run here (None: they can)."""
-    if shutil.which("mooncake_master") is None:
-        return "mooncake_master is not installed (bash scripts/setup_mooncake.sh)"
-    missing = [n for n in LIBRARIES if not (libraries_folder() / n).exists()]
-    if missing and not _loads_without_folder():
-        return f"Mooncake's libraries {missing} are not in {libraries_folder()} (setup_mooncake.sh)"
-    return None
-
-
-def _loads_without_folder() -> bool:
-    probe = [sys.executable, "-c", "import mooncake.store"]
-    return subprocess.run(probe, capture_output=True).returncode == 0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def library_env() -> dict:
-    folder = str(libraries_folder())
-    paths = [folder, os.environ.get("LD_LIBRARY_PATH", "")]
-    return {**os.environ, LIBS_ENV: folder, "LD_LIBRARY_PATH": ":".join(p for p in paths if p)}
-
-
-class Master:
-    """``mooncake_master`` on 127.0.0.1 (RPC ``port``, HTTP metadata ``metadata_port``); options:
-    extra flags (e.g. ``--default_kv_lease_ttl``). Its log goes to ``log``."""
-
-    def __init__(self, log: Path, *options: str):
-        self.port, self.metadata_port, self.log = free_port(), free_port(), log
-        self.options, self.process = options, None
-        self.start()
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def metadata(self) -> str:
-        return f"http://127.0.0.1:{self.metadata_port}/metadata"
-
-    def extra(self, segment: int = SEGMENT) -> dict:
-        """SGLang's Mooncake keys of the extra config for an engine of this master."""
-        return {
-            "master_server_address": self.address,
-            "metadata_server": self.metadata,
-            "global_segment_size": segment,
-            "protocol": "tcp",
-            "local_hostname": "127.0.0.1",
-        }
-
-    def start(self) -> None:
-        command = [
-            "mooncake_master",
-            f"--rpc_port={self.port}",
-            "--enable_http_metadata_server=true",
-            "--http_metadata_server_host=127.0.0.1",
-            f"--http_metadata_server_port={self.metadata_port}",
-            *self.options,
-        ]
-        with open(self.log, "a") as log:
-            self.process = subprocess.Popen(
-                command, env=library_env(), stdout=log, stderr=subprocess.STDOUT
-            )
-        _wait_for_port(self.port, self.process, self.log)
-        _wait_for_port(self.metadata_port, self.process, self.log)
-
-    def kill(self) -> None:
-        self.process.kill()
-        self.process.wait()
-
-    def restart(self) -> None:
-        self.kill()
-        self.start()
-
-
-def _wait_for_port(port: int, process: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + START_SECONDS
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"mooncake_master exited: {log.read_text()[-2000:]}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"mooncake_master did not listen on {port} in {START_SECONDS} s")
 
 
 class EngineProcess:
@@ -143,19 +50,31 @@ class EngineProcess:
     def serve(self, tokens: list[int], kv_file: Path | None = None, timeout=120) -> dict:
         """Serve ``tokens``; the answer: reused, tiers, counters, seconds (from its arrival to its
         admission: the prefetch done or cut) and the pool's KV of the prompt in ``kv_file``."""
+        self.send(tokens, kv_file)
+        return self._answer(timeout)
+
+    def send(self, tokens: list[int], kv_file: Path | None = None) -> None:
+        """Start serving ``tokens`` (``answer`` waits for its answer)."""
         command = {"serve": tokens, "kv": str(kv_file) if kv_file else None}
         self.process.stdin.write(json.dumps(command) + "\n")
         self.process.stdin.flush()
+
+    def answer(self, timeout=120) -> dict:
         return self._answer(timeout)
 
-    def _answer(self, timeout: float) -> dict:
+    def paused(self, timeout=60) -> None:
+        """Wait until a translation job of an engine with ``read_pause`` starts its pause (its
+        hit query is done: the records read, the pages asked for)."""
+        self._answer(timeout, PAUSED)
+
+    def _answer(self, timeout: float, prefix: str = ANSWER) -> dict:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             line = self.process.stdout.readline()
             if not line:
                 raise RuntimeError(f"engine process ended: see {self.log.name}")
-            if line.startswith(ANSWER):
-                answer = json.loads(line[len(ANSWER) :])
+            if line.startswith(prefix):
+                answer = json.loads(line[len(prefix) :])
                 if "error" in answer:
                     raise RuntimeError(answer["error"])
                 return answer
@@ -190,6 +109,8 @@ def main() -> None:
         )
     except Exception as error:  # noqa: BLE001 - the parent reads the message
         return _reply({"error": f"{type(error).__name__}: {error}"})
+    if spec.get("read_pause"):
+        _pause_page_reads(engine, spec["read_pause"])
     _reply({"counters": dict(engine.storage.counters)})
     for line in sys.stdin:
         command = json.loads(line)
@@ -212,6 +133,20 @@ def main() -> None:
             }
         )
     engine.close()
+
+
+def _pause_page_reads(engine, seconds: float) -> None:
+    """Each translation job reads its peer's pages ``seconds`` after the hit query that started
+    it (a slow transfer), saying so on stdout when its pause begins."""
+    for peer in engine.storage.peers:
+        read = peer.tokens
+
+        def tokens(*args, read=read):
+            print(PAUSED + "{}", flush=True)
+            time.sleep(seconds)
+            return read(*args)
+
+        peer.tokens = tokens
 
 
 def _complete(engine, arrival, req, slots):

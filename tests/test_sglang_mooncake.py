@@ -28,12 +28,13 @@ from sgl_kvmap.sglang import PeerSettings, StorageSettings
 from sgl_kvmap.sglang.engine import PAGE, page_keys
 from sgl_kvmap.sglang.launch import sglang_extra_config
 from sgl_kvmap.sglang.mooncake import COOLDOWN_SECONDS
+from sgl_kvmap.sglang.mooncake_master import Master, library_env, unavailable
 
-from .mooncake_servers import EngineProcess, Master, library_env, skip_reason
+from .mooncake_servers import SEGMENT, EngineProcess
 from .test_sglang_storage import UNTIMED, Cluster, tokens
 from .test_sglang_storage import two_head_pair as _two_head_pair  # noqa: F401 (a fixture)
 
-needs_mooncake = pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason()))
+needs_mooncake = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 
 # SGLang's timeout policy (its deadline: 1 s base + 0.25 s per 1K tokens), and prefetches of a
 # few pages (SGLang's threshold is 256 tokens).
@@ -65,15 +66,18 @@ class Hosts:
             tail_pages=0,
             quality_floor=None,
         )
-        keys = self.master.extra(**({"segment": segment} if segment else {}))
+        keys = self.master.extra(segment or SEGMENT)
         return sglang_extra_config(settings, "", store_keys=keys)
 
-    def engine(self, i: int, translate: bool = True, timed=False, segment=None) -> EngineProcess:
+    def engine(
+        self, i: int, translate: bool = True, timed=False, segment=None, read_pause=None
+    ) -> EngineProcess:
         spec = {
             "model_path": self.deployment["names"][i],
             "name": self.deployment["names"][i],
             "extra": self.extra(i, translate, segment),
             "engine": TIMED if timed else UNTIMED,
+            "read_pause": read_pause,
         }
         engine = EngineProcess(spec, self.tmp / f"engine{len(self.engines)}.log")
         self.engines.append(engine)
@@ -245,16 +249,17 @@ SMALL_SEGMENT = 16 << 20  # bytes: Mooncake refuses to mount less
 SESSION, TRACE_SESSIONS = 8 * PAGE, 60  # 1,440 objects of ~1.5 KiB: past 4 % of two segments
 
 
-def remover(master: Master):
+def remover(master: Master, segment: int = 0):
     """A third Mooncake client, in this process, to remove objects as an operator (or Mooncake's
-    eviction) would."""
+    eviction) would; mounting ``segment`` bytes of the store."""
     import os
 
     from sgl_kvmap.sglang.mooncake import load_client
 
     os.environ.update(library_env())
     client = load_client()()
-    assert client.setup("127.0.0.1", master.metadata, 0, 16 << 20, "tcp", "", master.address) == 0
+    setup = ("127.0.0.1", master.metadata, segment, 16 << 20, "tcp", "", master.address)
+    assert client.setup(*setup) == 0
     return client
 
 
@@ -282,6 +287,72 @@ def test_a_page_without_its_record_and_a_record_without_its_page_end_the_run_cou
         served = b.serve(prompt)
         assert served["reused"] == 2 * PAGE
         assert served["counters"].get(f"fallback.{reason}", 0) >= 1, served["counters"]
+
+
+@needs_mooncake
+def test_a_lease_that_runs_out_between_the_hit_query_and_the_read_is_a_counted_fallback(
+    served_pair, tmp_path
+):
+    """The target's hit query asks for the source's pages, which leases them: on a master whose
+    leases last 1 s, an operator's remove of page 2 (not forced: like the master's eviction, it
+    takes only objects without a lease) is refused right after the hit query and succeeds once
+    the lease has run out, while the target's job waits to read the pages (a slow transfer).
+    The job then finds page 2 gone: pages 0-1 are translated, the rest prefilled, counted, and
+    the request completes."""
+    master = Master(tmp_path / "master.log", f"--default_kv_lease_ttl={LEASE_MS}")
+    hosts = Hosts(served_pair, master, tmp_path)
+    try:
+        a = hosts.engine(0, translate=False)
+        b = hosts.engine(1, read_pause=READ_PAUSE_SECONDS)
+        prompt = tokens(4 * PAGE, seed=31)
+        a.serve(prompt)
+        client = remover(master)
+        page = object_name(served_pair, prompt, 2, "_0_k")
+        b.send(prompt)
+        b.paused()
+        assert client.remove(page, False) == OBJECT_HAS_LEASE
+        assert removed_once_unleased(client, page, within=READ_PAUSE_SECONDS / 2)
+        client.close()
+        served = b.answer()
+        assert served["reused"] == 2 * PAGE and served["tiers"]["translated"] == 2 * PAGE
+        assert served["counters"]["fallback.peer_page_lost"] == 1
+        assert served["counters"]["translated_pages_delivered"] == 2
+    finally:
+        for engine in hosts.engines:
+            engine.close()
+        master.kill()
+
+
+LEASE_MS = 1000
+READ_PAUSE_SECONDS = 4.0
+OBJECT_HAS_LEASE = -706  # Mooncake's error code for removing a leased object
+
+
+def removed_once_unleased(client, name: str, within: float) -> bool:
+    """Remove ``name`` (not forced) as soon as its lease lets the master do it."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if client.remove(name, False) == 0:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@needs_mooncake
+def test_a_page_and_a_record_stored_again_read_back_as_the_new_values(master):
+    """Mooncake's put keeps an existing object's old value; a page stored again (recomputed
+    after its first copy was evicted, say) beside its new record would then read as damaged.
+    The keyspace upserts: the second value of a page (both halves) and of a record is read."""
+    from sgl_kvmap.sglang.mooncake import Keyspace
+
+    keyspace = Keyspace(remover(master, SMALL_SEGMENT), "model", 0)
+    first, second = torch.arange(64, dtype=torch.bfloat16), -torch.arange(64, dtype=torch.bfloat16)
+    try:
+        for key in ("page", "page.kvmap"):
+            assert keyspace.batch_set([key], [first]) and keyspace.batch_set([key], [second])
+            assert torch.equal(keyspace.get(key, torch.empty_like(second)), second)
+    finally:
+        keyspace.client.close()
 
 
 @needs_mooncake
@@ -320,7 +391,7 @@ def test_tensor_parallel_ranks_translate_their_own_heads_over_mooncake(_two_head
     from sgl_kvmap.sglang.heads import rank_heads
 
     names, models, pack = _two_head_pair
-    keys = master.extra(segment=2 * SEGMENT_PER_RANK)  # SGLang splits it among the ranks
+    keys = master.extra(2 * SEGMENT_PER_RANK)  # SGLang splits it among the ranks
 
     def extra(settings: StorageSettings) -> dict:
         return sglang_extra_config(settings, "", store_keys=keys)

@@ -26,16 +26,19 @@ greedy answers' common prefix), ``nll`` the reference answer's mean negative log
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from ..core.errors import KVMapError
 from ..models.capture import LoadedModel, run
 from ..sglang.launch import PrefetchDeadline
+from ..sglang.settings import INNER_BACKENDS
 from .records import MODES, REFERENCE_MODE, Quality, RequestRecord, Scores, agreement
 from .workload import Turn
 
@@ -44,6 +47,8 @@ MODE_SETTINGS = {
     "translated": {"translate": True, "tail_pages": 0},
     "tail": {"translate": True, "tail_pages": 1},
 }
+KV_DTYPE = torch.bfloat16  # the engines' KV pools (and so their stored pages)
+MIN_SEGMENT = 16 << 20  # bytes: Mooncake refuses to mount less
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,7 @@ def replay(
     opening: tuple[int, ...] = (),
     on_request: Callable[[RequestRecord], None] | None = None,
     inspect: Callable | None = None,
+    store: str = "file",
 ) -> list[RequestRecord]:
     """Serve ``plan``'s turns in ``mode`` on fresh engines over a fresh store; one record each.
     The engines run as ``sglang-args`` launches them: ``page_size`` tokens a page, SGLang's
@@ -110,22 +116,25 @@ def replay(
     first request (a warm shared opening: ``workload.shared_opening``; not recorded);
     ``inspect(engines, i, slots, record)`` is called after
     each request with both engines by model and the device slots of its prompt (tests read
-    the pools)."""
+    the pools); ``store``: the engines' shared store (``fresh_store``)."""
     if mode not in MODES:
         raise KVMapError(f"unknown mode {mode!r}; modes are {', '.join(MODES)}")
     if mode != REFERENCE_MODE and any(plan.swapped) and not plan.references:
         raise KVMapError(f"replay {REFERENCE_MODE!r} first: {mode!r} is judged against it")
     from ..sglang.engine import Engine
 
-    with tempfile.TemporaryDirectory(prefix="kvmap-bench-store-") as store:
+    segment = segment_bytes(deployment, plan.turns, page_size)
+    with fresh_store(store, segment) as keys:
         engines = {}
         try:
             for model in deployment.models:
-                extra = _extra_config(deployment, model, mode, store, deadline, overrides or {})
+                settings = {"inner_backend": store, **(overrides or {})}
+                extra = _extra_config(deployment, model, mode, keys, deadline, settings)
                 engines[model] = Engine(
                     deployment.models[model],
                     deployment.names[model],
                     extra,
+                    dtype=KV_DTYPE,
                     page_size=page_size,
                     slots=device_tokens,
                     prefetch_threshold=prefetch_threshold,
@@ -149,8 +158,40 @@ def replay(
                 engine.close()
 
 
+@contextlib.contextmanager
+def fresh_store(store: str, segment: int) -> Iterator[dict]:
+    """A new, empty store for one replay, as SGLang's extra-config keys that name it: a
+    temporary folder (``file``), or a ``mooncake_master`` of its own on free ports of 127.0.0.1
+    (``mooncake``; each engine, with a client of its own, mounts ``segment`` bytes)."""
+    if store not in INNER_BACKENDS:
+        raise KVMapError(f"unknown store {store!r}; stores are {', '.join(INNER_BACKENDS)}")
+    with tempfile.TemporaryDirectory(prefix="kvmap-bench-store-") as folder:
+        if store == "file":
+            yield {"file_storage_path": folder}
+            return
+        from ..sglang.mooncake_master import Master
+
+        with Master(Path(folder) / "mooncake_master.log") as master:
+            yield master.extra(segment)
+
+
+def segment_bytes(deployment: Deployment, turns: list, page_size: int) -> int:
+    """What each engine mounts in a Mooncake store: room for every full page of every prompt
+    at the larger model's page size, so two engines' segments stay below half full and the
+    master never evicts (the file store keeps every page too)."""
+    pages = sum(len(turn.tokens) // page_size for turn in turns)
+    largest = max(_page_bytes(model.spec, page_size) for model in deployment.models.values())
+    return max(MIN_SEGMENT, pages * largest)
+
+
+def _page_bytes(spec, page_size: int) -> int:
+    """One stored page (K and V of every layer and KV head) of a model of ``spec``."""
+    elements = 2 * page_size * spec.num_layers * spec.num_kv_heads * spec.head_dim
+    return elements * KV_DTYPE.itemsize
+
+
 def _extra_config(
-    deployment: Deployment, model: str, mode: str, store: str, deadline, overrides
+    deployment: Deployment, model: str, mode: str, store_keys: dict, deadline, overrides
 ) -> dict:
     from ..sglang import PeerSettings, StorageSettings
     from ..sglang.launch import sglang_extra_config
@@ -162,7 +203,8 @@ def _extra_config(
         peers=(PeerSettings(deployment.names[peer], str(deployment.packs[peer, model])),),
         **{"quality_floor": None, **MODE_SETTINGS[mode], **overrides},
     )
-    return sglang_extra_config(settings, store, deadline if settings.translate else None)
+    deadline = deadline if settings.translate else None
+    return sglang_extra_config(settings, "", deadline, store_keys=store_keys)
 
 
 def _serve(

@@ -20,6 +20,7 @@ from ..core.errors import KVMapError, PackError
 from ..core.files import replacing_folder, writable_place
 from ..fitting.config import CalibrationConfig, PackRecipe
 from ..sglang.launch import PrefetchDeadline
+from ..sglang.settings import INNER_BACKENDS
 from .records import MODES, REFERENCE_MODE, RequestRecord
 from .replay import MODE_SETTINGS, Deployment, ReplayPlan, replay
 from .routing import DEFAULT_ROUTER_TOKENS, parse_policy, swapped
@@ -39,6 +40,11 @@ BENCH_POLICIES = (
     "escalate-2",
     f"router-{DEFAULT_ROUTER_TOKENS}",
 )
+STORE_LINES = {
+    "file": "file (SGLang's file store in a fresh folder per replay)",
+    "mooncake": "mooncake (a fresh mooncake_master per replay on 127.0.0.1; each engine its own "
+    "client over TCP, mounting room for every page)",
+}
 RECORDS_FILE = "records.jsonl"
 RUN_FILE = "run.json"
 
@@ -56,7 +62,8 @@ class BenchConfig:
     translation does with any pack, where ``sglang-args`` would keep a pack below its floor
     unused); tail_pages: the pages the ``tail`` mode recomputes; warm_opening: every engine
     serves the slice's shared opening (``workload.shared_opening``) before the replay, so a
-    swap's first pages are its own."""
+    swap's first pages are its own; store: the store the engines share, a fresh one for each
+    replay (``replay.fresh_store``: ``file``, or ``mooncake``, a local master)."""
 
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     policies: tuple[str, ...] = BENCH_POLICIES
@@ -69,10 +76,15 @@ class BenchConfig:
     quality_floor: float | None = None
     tail_pages: int = MODE_SETTINGS["tail"]["tail_pages"]
     warm_opening: bool = False
+    store: str = "file"
 
     def __post_init__(self) -> None:
         for name in self.policies:
             parse_policy(name)
+        if self.store not in INNER_BACKENDS:
+            raise KVMapError(
+                f"unknown store {self.store!r}; stores are {', '.join(INNER_BACKENDS)}"
+            )
         unknown = sorted(set(self.modes) - set(MODES))
         if unknown or not self.modes:
             raise KVMapError(f"unknown mode(s) {unknown}; modes are {', '.join(MODES)}")
@@ -127,6 +139,7 @@ def run_bench(
                 overrides={"quality_floor": config.quality_floor, **tail},
                 opening=opening,
                 on_request=on_request,
+                store=config.store,
             )
     return records
 
@@ -163,6 +176,7 @@ def header(
         f"{deadline.per_ki_token:g} s per 1K tokens, threshold "
         f"{config.prefetch_threshold or 'SGLang default (256 tokens)'}",
         "machine": f"{platform.machine()}, {_cores()} cores, {engines}",
+        "store": STORE_LINES[config.store],
         "config": _config_json(config),
     }
 

@@ -164,7 +164,10 @@ class Keyspace:
         return self.batch_set([key], [value])
 
     def batch_set(self, keys: list[str], values=None, target_locations=None, target_sizes=None):
-        """Store each flat value (its halves for a page); True when every object was stored."""
+        """Store each flat value (its halves for a page), replacing what the key held; True when
+        every object was stored. Upserted: Mooncake's ``put`` keeps an existing object's old
+        value, so a page stored again beside its new record (or a record beside its new page)
+        would read back as damaged."""
         if not self._reachable():
             return False
         codes = []
@@ -172,9 +175,9 @@ class Keyspace:
             group = self.names(key)
             config = _PAGE if len(group) == 2 else _RECORD
             codes += [
-                self.client.put(n, p, config()) for n, p in zip(group, _split(value, len(group)))
+                self.client.upsert(n, p, config()) for n, p in zip(group, _split(value, len(group)))
             ]
-        self._check(codes, "put")
+        self._check(codes, "upsert")
         return all(code == 0 for code in codes)
 
     def _check(self, codes: list[int], call: str) -> None:

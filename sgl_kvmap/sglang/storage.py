@@ -121,18 +121,24 @@ class Peer:
         return (page_size, self.spec.num_layers, heads, self.spec.head_dim)
 
     def records(self, keys: list[str], page_size: int):
-        """The records of the leading ``keys`` every rank has, each checked against what this
-        pair needs, and why they stop before the peer's last page, if they do (a _Skip)."""
+        """The records of the leading ``keys`` every rank has with its page, each checked
+        against what this pair needs, and why they stop before the peer's last page, if they do
+        (a _Skip). Asking for the pages leases them in a store with leases (Mooncake, for its
+        ``default_kv_lease_ttl``): a page promised here is still there when the job reads it,
+        unless the lease runs out first."""
         names = [record_key(key) for key in keys]
         held = min(self.stores[rank].batch_exists(names) for rank in self.ranks)
+        paged = min(self.stores[r].batch_exists(keys[:held]) for r in self.ranks) if held else 0
         found = []
         try:
-            for key, name in zip(keys[:held], names):
+            for key, name in zip(keys[:paged], names):
                 found.append(
                     {rank: self._record(key, name, rank, page_size) for rank in self.ranks}
                 )
         except _Skip as skip:
             return found, skip
+        if paged < held:
+            return found, _Skip("peer_page_lost", f"{self.name} lost page {keys[paged]}")
         return found, self._unrecorded(keys, held)
 
     def _unrecorded(self, keys: list[str], held: int) -> _Skip | None:
