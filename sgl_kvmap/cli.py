@@ -1133,10 +1133,27 @@ def demo(
     help="Last pages of a translated run the tail mode recomputes.",
 )
 @click.option(
-    "--warm-opening",
-    is_flag=True,
+    "--page-size",
+    type=click.IntRange(1, MAX_PAGE_SIZE),
+    default=WORKLOAD.page_size,
+    show_default=True,
+    help="Tokens per KV page (sglang-args' --page-size); the scaled trace blocks must fill "
+    "whole pages.",
+)
+@click.option(
+    "--prefetch-threshold",
+    type=COUNT,
+    default=BENCH.prefetch_threshold,
+    help="Tokens a stored run needs before an engine fetches it (sglang-args' "
+    "--prefetch-threshold). Default: SGLang's own.",
+)
+@click.option(
+    "--warm-opening/--cold-opening",
+    default=True,
+    show_default=True,
     help="Every engine serves the prefix all the trace's prompts share (a system prompt) "
-    "before the replay, so a swap's first pages are its own.",
+    "before the replay, so a swap's first pages are its own, as `sgl-kvmap warm` does in "
+    "the serving recipe; --cold-opening starts the engines empty.",
 )
 @click.option(
     "--quality-floor",
@@ -1177,21 +1194,6 @@ def demo(
     default=STORE_PATH,
     show_default=True,
     help="With --live: the folder under which each replay's store and the servers' logs go.",
-)
-@click.option(
-    "--page-size",
-    type=click.IntRange(1, MAX_PAGE_SIZE),
-    default=WORKLOAD.page_size,
-    show_default=True,
-    help="Tokens per KV page (sglang-args' --page-size); the scaled trace blocks must fill "
-    "whole pages.",
-)
-@click.option(
-    "--prefetch-threshold",
-    type=COUNT,
-    default=BENCH.prefetch_threshold,
-    help="Tokens a stored run needs before an engine fetches it (sglang-args' "
-    "--prefetch-threshold). Default: SGLang's own.",
 )
 @click.option(
     "--out",
@@ -1487,6 +1489,14 @@ def _has_gpu() -> bool:
     "is above this; 0: better than staying on the source model; 'none': any pack.",
 )
 @click.option(
+    "--prefetch-threshold",
+    type=COUNT,
+    default=None,
+    help="Tokens a stored run needs before an engine fetches it from the store (default: "
+    "SGLang's own, 256; at least one page). Lower it with small pages, so that short swapped "
+    "runs are translated instead of prefilled.",
+)
+@click.option(
     "--audit-translations",
     is_flag=True,
     help="Also keep every page an engine receives translated in its store (key + "
@@ -1579,14 +1589,6 @@ def _opening(ctx: click.Context, text_file: Path | None, ids_file: Path | None):
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="A text file: the opening every session shares, exactly as requests begin (a system "
     "prompt with its chat-template markup). The servers tokenize it.",
-)
-@click.option(
-    "--prefetch-threshold",
-    type=COUNT,
-    default=None,
-    help="Tokens a stored run needs before an engine fetches it from the store (default: "
-    "SGLang's own, 256; at least one page). Lower it with small pages, so that short swapped "
-    "runs are translated instead of prefilled.",
 )
 @click.option(
     "--opening-ids",
