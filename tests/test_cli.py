@@ -365,6 +365,12 @@ def test_sglang_args_say_which_packs_clear_the_quality_floor(fitted_pack, model_
     assert floor == 0.2 and "records eval_gap_closed_tail 0.250; used: above" in floors[0]
     floors, _ = printed(recorded, "--tail-pages", "0")
     assert "records eval_gap_closed -0.500; NOT used" in floors[0]
+    result = succeed([*args, "--page-size", "16", "--prefetch-threshold", "32"])
+    for command in commands_of(result.output):
+        flags = launch_flags(shlex.split(command))
+        extra = json.loads(flags["--hicache-storage-backend-extra-config"])
+        assert flags["--page-size"] == "16" and extra["prefetch_threshold"] == 32
+    refused_as_usage([*args, "--prefetch-threshold", "0"], "--prefetch-threshold")
     for bad in ("1.5", "nan", "-2", "high"):
         refused_as_usage(
             [*args, "--pack", str(recorded), "--quality-floor", bad], "--quality-floor"
