@@ -8,7 +8,8 @@ there. Nothing of Mooncake is substituted; the pages and records are put and got
 The swap is checked against the file store path (tests/test_sglang_storage.py's engines, in this
 process): the target's device pool holds the same KV, bit for bit. Faults are real: the master is
 killed and restarted, a segment too small for the trace evicts pages, objects are removed through
-a third client, a master that does not answer refuses the engine at start-up.
+a third client (also once a lease has run out), a master that does not answer refuses the engine
+at start-up.
 """
 
 from __future__ import annotations
