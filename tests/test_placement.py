@@ -122,3 +122,15 @@ def test_max_memory_sizes():
     assert parse_max_memory("cpu=1000") == ("cpu", 1000)
     with pytest.raises(KVMapError, match="must be positive"):
         Placement(max_memory=(("cpu", 0),))
+
+
+def test_a_process_budgets_only_its_own_gpus(monkeypatch):
+    """A rank's models never spill onto another rank's GPUs: the budget names the process's
+    GPUs and the CPU only, each at its --max-memory cap or at what accelerate finds free."""
+    free = {0: 10, 1: 11, 2: 12, 3: 13, "cpu": 99}
+    monkeypatch.setattr("accelerate.utils.get_max_memory", lambda: dict(free))
+    assert Placement().budget([2, 3]) == {2: 12, 3: 13, "cpu": 99}
+    capped = Placement(max_memory=(("gpu", 5), ("cpu", 7)))
+    assert capped.budget([0, 1]) == {0: 5, 1: 5, "cpu": 7} and capped.budget([]) == {"cpu": 7}
+    arguments = capped.loader_arguments([1], "target-rank1")
+    assert arguments == {"device_map": "auto", "max_memory": {1: 5, "cpu": 7}}
