@@ -4,6 +4,7 @@ against the one-process fit of the same tiny pair and text."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -183,16 +184,10 @@ def test_all_reduced_statistics_equal_one_process(folders, tmp_path):
     assert spawn_ranks("stats", args, logs) == [0, 0]
     src, tgt = load_model(str(folders["source"])), load_model(str(folders["target"]))
     ranked = [load_state(logs / f"stats-rank{r}.safetensors", src.spec, tgt.spec) for r in (0, 1)]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the ranks' forwards, bit for bit
-    try:
-        windows = calibration_token_windows(src.tokenizer, [folders["text"]], CALIBRATION)
-        recipe = PackRecipe(CALIBRATION)
-        shards = [collect_shard(src, tgt, windows, recipe, Ranks(r, 2)) for r in (0, 1)]
+    with _one_thread():
+        windows, shards = _shards_in_one_process(src, tgt, folders)
         sequential = collect_statistics(src, tgt, windows, CALIBRATION)
         single = [_single_window(src, tgt, windows, i, sequential) for i in range(WINDOWS)]
-    finally:
-        torch.set_num_threads(threads)
     assert ranked[0].windows == ranked[1].windows == WINDOWS
     for split in ("train", "heldout"):
         for kind in ("k", "v"):
@@ -222,14 +217,8 @@ def test_offloaded_ranks_capture_what_whole_models_do(folders, tmp_path):
         assert all("disk" in where.values() for where in placed), placed
     src, tgt = load_model(str(folders["source"])), load_model(str(folders["target"]))
     got = load_state(logs / "stats-rank0.safetensors", src.spec, tgt.spec)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the ranks' forwards, bit for bit
-    try:
-        windows = calibration_token_windows(src.tokenizer, [folders["text"]], CALIBRATION)
-        recipe = PackRecipe(CALIBRATION)
-        shards = [collect_shard(src, tgt, windows, recipe, Ranks(r, 2)) for r in (0, 1)]
-    finally:
-        torch.set_num_threads(threads)
+    with _one_thread():
+        _, shards = _shards_in_one_process(src, tgt, folders)
     for split in ("train", "heldout"):
         for kind in ("k", "v"):
             a = getattr(shards[0].forward, split)[kind]
@@ -237,6 +226,24 @@ def test_offloaded_ranks_capture_what_whole_models_do(folders, tmp_path):
             have = getattr(got.forward, split)[kind]
             assert have.n == want.n
             assert all(torch.equal(getattr(have, f), getattr(want, f)) for f in MOMENT_FIELDS)
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """Torch at one thread inside, as the ranks run their forwards (bit for bit only so)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _shards_in_one_process(src, tgt, folders) -> tuple[list, list[CalibrationState]]:
+    """The calibration windows, and the two ranks' shards of them collected in this process."""
+    windows = calibration_token_windows(src.tokenizer, [folders["text"]], CALIBRATION)
+    recipe = PackRecipe(CALIBRATION)
+    return windows, [collect_shard(src, tgt, windows, recipe, Ranks(r, 2)) for r in (0, 1)]
 
 
 def _single_window(src, tgt, windows, i, sequential) -> CalibrationState:
