@@ -68,6 +68,7 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sgl_kvmap.core.cache import KVCache
 from sgl_kvmap.models.capture import LoadedModel, run
 from sgl_kvmap.sglang.heads import rank_heads
+from sgl_kvmap.sglang.settings import prefetch_threshold_keys
 
 PAGE = 8
 SLOTS = 1024
@@ -115,11 +116,6 @@ def _substitute_cuda_copies() -> None:
     MHATokenToKVPoolHost.__init__ = _unpinned_host_pool()
     MHATokenToKVPoolHost.load_to_device_per_layer = _load_to_device_per_layer
     MHATokenToKVPoolHost.backup_from_device_all_layer = _backup_from_device_all_layer
-
-
-def _threshold(tokens: int | None) -> dict:
-    """The extra-config key for a prefetch threshold other than SGLang's own."""
-    return {} if tokens is None else {"prefetch_threshold": tokens}
 
 
 def page_keys(tokens: list[int]) -> list[str]:
@@ -213,7 +209,7 @@ class Engine:
             hicache_storage_backend="dynamic",
             hicache_storage_prefetch_policy=prefetch_policy,
             hicache_storage_backend_extra_config=json.dumps(
-                {**extra, **_threshold(prefetch_threshold)}
+                {**extra, **prefetch_threshold_keys(prefetch_threshold)}
             ),
         )
         server_args = self._args.install()

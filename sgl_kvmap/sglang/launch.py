@@ -21,7 +21,13 @@ from pathlib import Path
 from ..core.errors import KVMapError
 from ..core.pack import read_config
 from ..core.spec import spec_from_pretrained
-from .settings import INNER_BACKENDS, PeerSettings, StorageSettings, recorded_gap_closed
+from .settings import (
+    INNER_BACKENDS,
+    PeerSettings,
+    StorageSettings,
+    prefetch_threshold_keys,
+    recorded_gap_closed,
+)
 
 PREFETCH_POLICIES = ("timeout", "wait_complete", "best_effort")
 DEVICES = ("cuda", "cpu")  # --device: SGLang's GPU engine, or its CPU engine
@@ -307,9 +313,11 @@ def sglang_extra_config(
     of another store such as Mooncake's ``master_server_address``; the prefetch deadline; the
     prefetch threshold, when not SGLang's own)."""
     where = store_keys if store_keys is not None else {"file_storage_path": store_path}
-    keys = {"hicache_storage_pass_prefix_keys": True, **where}
-    if prefetch_threshold is not None:
-        keys["prefetch_threshold"] = prefetch_threshold
+    keys = {
+        "hicache_storage_pass_prefix_keys": True,
+        **where,
+        **prefetch_threshold_keys(prefetch_threshold),
+    }
     return settings.to_extra_config(**keys, **(deadline.sglang_keys() if deadline else {}))
 
 

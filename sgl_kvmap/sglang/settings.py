@@ -176,6 +176,11 @@ class StorageSettings:
         return out
 
 
+def prefetch_threshold_keys(tokens: int | None) -> dict[str, int]:
+    """SGLang's extra-config key for a prefetch threshold other than its own (None: SGLang's)."""
+    return {} if tokens is None else {"prefetch_threshold": tokens}
+
+
 def recorded_gap_closed(metrics: dict[str, Any], tail_pages: int) -> tuple[str, float | None]:
     """The gap closed a pack's ``metrics`` record for an engine that recomputes ``tail_pages``
     (the tail's figure when it recomputes any, else the whole translation's), by its key; None
