@@ -269,6 +269,31 @@ def _rank_text(rank: int | str | None) -> str:
     return "none" if rank is None else str(rank)
 
 
+def placement_options(command):
+    """`--device-map`, `--max-memory` and `--offload-folder`: how a fit loads each model."""
+    command = click.option(
+        "--offload-folder",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=None,
+        help="With --device-map: where weights that fit nowhere are written when they cannot be "
+        "read from the model's own safetensors (a folder per process and model inside).",
+    )(command)
+    command = click.option(
+        "--max-memory",
+        type=MaxMemoryType(),
+        multiple=True,
+        help="With --device-map: memory each model may use on each GPU of a process (gpu=SIZE) "
+        "or on the CPU (cpu=SIZE); repeat for both. Default: what is free.",
+    )(command)
+    return click.option(
+        "--device-map",
+        type=click.Choice(["auto"]),
+        default=None,
+        help="Load each model across this process's devices with accelerate (its GPUs, then the "
+        "CPU, then disk) when one device cannot hold it; the captured K/V are the same.",
+    )(command)
+
+
 def _tune_steps(tuning: TuneConfig | None) -> int:
     """Tuning steps as --tune-steps spells them (0: no tuning)."""
     return 0 if tuning is None else tuning.steps
@@ -500,27 +525,7 @@ def main(verbose: bool) -> None:
     help="Precision the models load and run in for the capture (the statistics are summed in "
     "float64 whatever it is).",
 )
-@click.option(
-    "--device-map",
-    type=click.Choice(["auto"]),
-    default=None,
-    help="Load each model across this process's devices with accelerate (its GPUs, then the "
-    "CPU, then disk) when one device cannot hold it; the captured K/V are the same.",
-)
-@click.option(
-    "--max-memory",
-    type=MaxMemoryType(),
-    multiple=True,
-    help="With --device-map: memory each model may use on each GPU of a process (gpu=SIZE) or "
-    "on the CPU (cpu=SIZE); repeat for both. Default: what is free.",
-)
-@click.option(
-    "--offload-folder",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="With --device-map: where weights that fit nowhere are written when they cannot be "
-    "read from the model's own safetensors (a folder per process and model inside).",
-)
+@placement_options
 @click.pass_context
 def fit(
     ctx,
@@ -1658,17 +1663,34 @@ def pull(repo_id, revision, force) -> None:
     "--nproc",
     type=COUNT,
     default=None,
-    help="Processes a --build fits in (torchrun, one device each). Default: one per visible GPU.",
+    help="Processes a --build fits in (torchrun; one device each unless --device-map). Default: "
+    "one per visible GPU (1 with --device-map).",
 )
-def resolve(source, target, build, offline, allow_mismatch, namespace, nproc) -> None:
+@placement_options
+@click.pass_context
+def resolve(
+    ctx,
+    source,
+    target,
+    build,
+    offline,
+    allow_mismatch,
+    namespace,
+    nproc,
+    device_map,
+    max_memory,
+    offload_folder,
+) -> None:
     """Find the pack for SOURCE -> TARGET (local cache, then Hub, then --build); print its
     folder, and its recipe on stderr. Without --build any pack built here is taken, the
     default recipe's first; with --build only the default recipe's, built if missing."""
     from .registry.resolve import pack_recipe, resolve_pack
 
-    nproc = nproc or default_nproc()
+    placement = _loading(ctx, "float32", device_map, max_memory, offload_folder).placement
+    nproc = nproc or default_nproc(sharded=placement is not None)
     if build:
-        click.echo(f"a build fits in {nproc} process(es)", err=True)
+        each = "" if placement is None else ", each model across its process's devices"
+        click.echo(f"a build fits in {nproc} process(es){each}", err=True)
     folder = resolve_pack(
         source,
         target,
@@ -1677,6 +1699,7 @@ def resolve(source, target, build, offline, allow_mismatch, namespace, nproc) ->
         allow_mismatch=allow_mismatch,
         namespace=namespace,
         nproc=nproc,
+        placement=placement,
     )
     click.echo(str(folder))
     click.echo(f"recipe {pack_recipe(folder)}", err=True)

@@ -1,6 +1,7 @@
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -9,7 +10,9 @@ from pathlib import Path
 
 import click
 import pytest
+import torch
 from click.testing import CliRunner
+from safetensors.torch import load_file
 
 from sgl_kvmap.cli import main
 from sgl_kvmap.fitting.config import FAMILY_RATES, DemoConfig, PackRecipe
@@ -695,6 +698,50 @@ def test_resolve_build_never_returns_another_recipes_pack_and_each_command_names
     assert default_recipe in succeed(["inspect", str(default)]).stdout.splitlines()[3]
     lines = succeed(["inspect", str(fitted_pack[0])]).stdout.splitlines()
     assert lines[3] == "recipe 1,024 calibration tokens, top-k 2, not tuned"
+
+
+def test_resolve_build_with_a_device_map_loads_the_models_sharded_and_builds_the_same_pack(
+    model_dirs, hf_caches, monkeypatch
+):
+    """Issue 33: `resolve --build --device-map auto` (for a pair one device cannot hold) loads
+    each model through accelerate's device map, here offloaded to disk but for 100 kB of CPU, and
+    builds what the plain build does, bit for bit. Substituted:
+    the fit runs STAND_IN's cheap recipe instead of the default's (as `build_cheaply` in the other
+    build tests); the torchrun route (`--nproc 2`) adds `--device-map auto` to the `fit` it
+    starts, whose sharded loading tests/test_distributed.py checks, and is not run here (the
+    default recipe takes minutes)."""
+    from sgl_kvmap.fitting.build import build_pack
+    from sgl_kvmap.models.capture import LoadedModel
+    from sgl_kvmap.registry import resolve
+
+    from .test_resolve import STAND_IN
+
+    asked, loaded = [], []
+
+    def stand_in(source, target, calibration, recipe):
+        asked.append(recipe)
+        loaded.append((source, target))
+        return build_pack(source, target, calibration, STAND_IN)
+
+    monkeypatch.setattr(resolve, "build_pack", stand_in)
+    offloaded = ["--device-map", "auto", "--max-memory", "cpu=100000"]  # most weights on disk
+    sharded = succeed(["resolve", *model_dirs, "--build", "--offline", *offloaded])
+    assert sharded.stderr.splitlines()[0] == (
+        "a build fits in 1 process(es), each model across its process's devices"
+    )
+    assert asked == [PackRecipe()]
+    for model in loaded[0]:
+        assert isinstance(model, LoadedModel) and "disk" in model.model.hf_device_map.values()
+    sharded_pack = Path(sharded.stdout.strip())
+    want = load_file(sharded_pack / "mapper.safetensors")
+    shutil.rmtree(sharded_pack.parent)
+    plain = succeed(["resolve", *model_dirs, "--build", "--offline"])
+    assert plain.stderr.splitlines()[0] == "a build fits in 1 process(es)"
+    assert Path(plain.stdout.strip()) == sharded_pack and loaded[1] == model_dirs
+    got = load_file(sharded_pack / "mapper.safetensors")
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
 
 
 def test_bench_refuses_an_out_it_could_not_write_before_any_work(tmp_path, monkeypatch):

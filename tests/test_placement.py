@@ -134,3 +134,18 @@ def test_a_process_budgets_only_its_own_gpus(monkeypatch):
     assert capped.budget([0, 1]) == {0: 5, 1: 5, "cpu": 7} and capped.budget([]) == {"cpu": 7}
     arguments = capped.loader_arguments([1], "target-rank1")
     assert arguments == {"device_map": "auto", "max_memory": {1: 5, "cpu": 7}}
+
+
+def test_a_placement_passed_on_as_fit_options_reads_back_the_same(tmp_path):
+    """What a build under torchrun (`resolve --build --nproc N --device-map auto ...`) hands the
+    `fit` it starts: click parses those options back into the same placement."""
+    from sgl_kvmap.cli import _loading, fit
+
+    placement = Placement(max_memory=(("gpu", 5 * 2**30), ("cpu", 7000)), offload_folder=tmp_path)
+    args = ["src", "tgt", "--out", str(tmp_path / "pack"), *placement.fit_arguments()]
+    with fit.make_context("fit", args) as ctx:
+        params = ctx.params
+        loading = _loading(
+            ctx, "float32", params["device_map"], params["max_memory"], params["offload_folder"]
+        )
+    assert loading == Loading(placement=placement)

@@ -53,7 +53,13 @@ from ..core.fit import KINDS
 from ..core.mapper import KVMapper
 from ..core.stats import ACC, MOMENT_FIELDS, Moments
 from ..models.capture import LoadedModel, load_model, model_device
-from ..models.placement import Loading, describe_placement, is_dispatched, process_gpus
+from ..models.placement import (
+    Loading,
+    Placement,
+    describe_placement,
+    is_dispatched,
+    process_gpus,
+)
 from .calibrate import (
     CalibrationState,
     add_windows,
@@ -531,10 +537,18 @@ def _one_line(err: BaseException) -> str:
     return " ".join(f"{type(err).__name__}: {err}".split())[:300]
 
 
-def fit_under_torchrun(source: str, target: str, out: Path, recipe: PackRecipe, nproc: int) -> None:
+def fit_under_torchrun(
+    source: str,
+    target: str,
+    out: Path,
+    recipe: PackRecipe,
+    nproc: int,
+    placement: Placement | None = None,
+) -> None:
     """Run ``sgl-kvmap fit`` under torchrun in ``nproc`` processes, writing (or replacing) the
-    pack at ``out``. Only the default recipe (what the command's defaults fit) can be asked
-    for this way. Raises KVMapError when the fit fails (its ranks' lines are on stderr)."""
+    pack at ``out``; ``placement``: with ``--device-map auto`` and its budgets. Only the default
+    recipe (what the command's defaults fit) can be asked for this way. Raises KVMapError when
+    the fit fails (its ranks' lines are on stderr)."""
     if recipe != PackRecipe():
         raise KVMapError("a build across processes fits the default recipe only")
     command = [
@@ -545,6 +559,7 @@ def fit_under_torchrun(source: str, target: str, out: Path, recipe: PackRecipe, 
         f"--nproc-per-node={nproc}",
     ]
     command += ["-m", "sgl_kvmap", "fit", str(source), str(target), "--out", str(out)]
+    command += [] if placement is None else placement.fit_arguments()
     done = subprocess.run([*command, "--overwrite"], stdout=subprocess.DEVNULL)
     if done.returncode != 0:
         raise KVMapError(f"the fit in {nproc} processes failed (exit {done.returncode})")

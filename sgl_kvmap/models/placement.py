@@ -55,6 +55,15 @@ class Placement:
             arguments["offload_folder"] = str(Path(self.offload_folder) / folder_name)
         return arguments
 
+    def fit_arguments(self) -> list[str]:
+        """The `sgl-kvmap fit` options that load models so (for a fit started as a command)."""
+        arguments = ["--device-map", "auto"]
+        for device, size in self.max_memory:
+            arguments += ["--max-memory", f"{device}={size}"]
+        if self.offload_folder is not None:
+            arguments += ["--offload-folder", str(self.offload_folder)]
+        return arguments
+
     def budget(self, gpus: list[int]) -> dict[int | str, int]:
         """Bytes per device, the process's GPUs and the CPU only (accelerate's free memory
         where ``max_memory`` does not say)."""

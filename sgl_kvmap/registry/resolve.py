@@ -41,7 +41,8 @@ from ..core.pack import is_pack, read_config
 from ..core.spec import ModelSpec, check_models, check_pair, spec_from_pretrained
 from ..fitting.build import build_pack, build_pack_pair
 from ..fitting.config import PackRecipe, recipe_summary
-from ..fitting.distributed import fit_under_torchrun
+from ..fitting.distributed import fit_under_torchrun, load_pair
+from ..models.placement import Loading, Placement
 from .hub import check_caches, checked_namespace
 from .naming import repo_name
 from .packs import PackEntry, cached_packs, entry_of, fetch_pack, hub_packs
@@ -74,6 +75,7 @@ def resolve_pack(
     token: str | bool | None = None,
     recipe: PackRecipe | None = None,
     nproc: int = 1,
+    placement: Placement | None = None,
 ) -> Path:
     """The local folder of the pack for ``source`` -> ``target`` (see ``resolve_mapper``).
 
@@ -81,7 +83,9 @@ def resolve_pack(
     built packs go; ``recipe``: the recipe asked for, the only one whose pack built here is
     taken and the one a build uses. None states none: then any pack built here is taken (the
     default recipe's first, see the module docstring), and ``build`` states the default.
-    ``nproc``: processes a build captures its statistics in (more than 1: under torchrun)."""
+    ``nproc``: processes a build captures its statistics in (more than 1: under torchrun);
+    ``placement``: a build loads each model across its process's devices so (``fit --device-map
+    auto``: the same pack, for models one device cannot hold)."""
     namespace = checked_namespace(namespace or setting("HUB_NAMESPACE", DEFAULT_NAMESPACE))
     check_caches(cache_dir, assets_dir)
     specs = spec_from_pretrained(source), spec_from_pretrained(target)
@@ -96,7 +100,7 @@ def resolve_pack(
             if _fits(folder, specs, allow_mismatch):
                 return folder
     if build:
-        return build_missing(source, target, specs, assets_dir, wanted, nproc)
+        return build_missing(source, target, specs, assets_dir, wanted, nproc, placement)
     where = "in the local cache" if offline else "in the local cache or on the Hub"
     raise PackError(
         f"no mapper pack for {specs[0].model_id} -> {specs[1].model_id} {where}. "
@@ -226,10 +230,12 @@ def build_missing(
     assets_dir: str | Path | None = None,
     recipe: PackRecipe = PackRecipe(),
     nproc: int = 1,
+    placement: Placement | None = None,
 ) -> Path:
     """Fit the pair as ``recipe`` says into its folder in ``built_pack_dir``, once: under a
     lock, a second process waits and then finds the pack the first one built. With ``nproc``
-    above 1 the fit runs under torchrun in that many processes (``fitting.distributed``)."""
+    above 1 the fit runs under torchrun in that many processes (``fitting.distributed``);
+    ``placement``: each process loads each model across its devices so (accelerate)."""
     folder = built_pack_folder(*specs, recipe, assets_dir)
     with _build_lock(folder):
         if is_pack(folder):
@@ -241,8 +247,11 @@ def build_missing(
             recipe.key(),
         )
         if nproc > 1:
-            fit_under_torchrun(source, target, folder, recipe, nproc)
+            fit_under_torchrun(source, target, folder, recipe, nproc, placement)
             return folder
+        if placement is not None:
+            models = load_pair(source, target, Loading(placement=placement))
+            return _save_built(*build_pack(*models, None, recipe), folder)
         return _save_built(*build_pack(source, target, None, recipe), folder)
 
 
