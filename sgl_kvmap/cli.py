@@ -1173,7 +1173,7 @@ def demo(
     default=BENCH.store,
     show_default=True,
     help="The store the engines share, fresh for each replay: file (a folder), or mooncake (a "
-    "mooncake_master started on 127.0.0.1, each engine with its own client; in-process only).",
+    "mooncake_master started on 127.0.0.1, each engine or --live server with its own client).",
 )
 @click.option(
     "--live",
@@ -1260,7 +1260,7 @@ def bench(
     from .sglang.launch import measured_deadline
 
     check_out(out)
-    _check_store(store, live)
+    _check_store(store)
 
     workload = _config(
         ctx,
@@ -1311,15 +1311,10 @@ def bench(
         click.echo(f"records, summary and plots written to {summary.parent}/")
 
 
-def _check_store(store: str, live: bool) -> None:
+def _check_store(store: str) -> None:
     """Refuse, before any work, a store the bench cannot run here (one line)."""
     if store != "mooncake":
         return
-    if live:
-        raise click.UsageError(
-            "--store mooncake replays on in-process engines; for live servers over Mooncake, "
-            "launch them with sglang-args --store mooncake"
-        )
     from .sglang.mooncake_master import unavailable
 
     reason = unavailable()
@@ -1373,7 +1368,7 @@ def _live_bench(names, packs, config, bar, device, port, store_path):
         prefetch_threshold=config.prefetch_threshold,
     )
     logs = Path(store_path) / "logs"
-    setup = LiveSetup(names, packs, options, port, config.deadline, logs)
+    setup = LiveSetup(names, packs, options, port, config.deadline, logs, store=config.store)
     records = run_live(turns, config, setup, on_request=lambda _: bar.update())
     return turns, records, f"live SGLang servers, {device} (logs in {logs})"
 

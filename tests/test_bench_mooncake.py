@@ -104,5 +104,3 @@ def test_the_command_replays_over_mooncake_and_says_so(deployment, trace, tmp_pa
     assert result.exit_code == 0, result.output
     run = json.loads((out / "run.json").read_text())
     assert run["store"].startswith("mooncake") and run["config"]["store"] == "mooncake"
-    refused = CliRunner().invoke(main, [*args[:-1], str(tmp_path / "live"), "--live"])
-    assert refused.exit_code == 2 and "--store mooncake replays on in-process" in refused.output

@@ -79,21 +79,34 @@ ENVIRONMENT = {
 
 
 class Deployment:
-    """The printed command lines of one ``sglang-args`` call and the servers running them."""
+    """The printed command lines of one ``sglang-args`` call and the servers running them.
+    ``store``: the file store's folder (its counters' folder with ``store_args``, sglang-args'
+    options of another store); ``env``: the variables added to each printed line."""
 
-    def __init__(self, folder: Path, pair: dict, packs: list[tuple[int, int]], port: int, store):
+    def __init__(
+        self,
+        folder: Path,
+        pair: dict,
+        packs: list[tuple[int, int]],
+        port: int,
+        store,
+        store_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ):
         self.folder, self.store = folder, Path(store)
         self.store.mkdir(parents=True, exist_ok=True)
+        self.env = env or ENVIRONMENT
         engines = [f"{path}={NAMES[m]}" for path, m in zip(pair["names"], "ab")]
         args = ["--device", "cpu", "--engine", engines[0], "--engine", engines[1]]
         for pack in packs:
             args += ["--pack", pair["packs"][pack]]
-        args += ["--store-path", str(self.store), "--max-total-tokens", str(MAX_TOTAL_TOKENS)]
+        args += ["--store-path", str(self.store), *store_args]
+        args += ["--max-total-tokens", str(MAX_TOTAL_TOKENS)]
         args += ["--audit-translations", "--quality-floor", "none"]  # tiny packs: no eval
         # what is translated, not when: a loaded 2-core machine missed the measured deadline
         args += ["--prefetch-policy", "wait_complete"]
         self.lines = sglang_args_lines(
-            [*args, "--port", str(port)], program=sgl_kvmap_program(), env=ENVIRONMENT
+            [*args, "--port", str(port)], program=sgl_kvmap_program(), env=self.env
         )
         self.servers: dict[str, LiveServer] = {}
         self.starts = 0
@@ -109,7 +122,7 @@ class Deployment:
         if model not in self.servers:
             log = self.folder / f"{model}-{self.starts}.log"
             started = time.monotonic()
-            self.servers[model] = start_server(self.line(model), log, ENVIRONMENT, START_TIMEOUT_S)
+            self.servers[model] = start_server(self.line(model), log, self.env, START_TIMEOUT_S)
             STARTUPS.append((f"{NAMES[model]} ({log.name})", time.monotonic() - started))
             self.starts += 1
         return self.servers[model]
@@ -119,6 +132,15 @@ class Deployment:
 
     def client(self, *models: str) -> LiveClient:
         return LiveClient({m: self.server(m).url for m in models}, timeout=300)
+
+    def stored(self, model: str, tokens: list[int]) -> list[bool]:
+        """For each full page of ``tokens``: whether ``model``'s page is in the store."""
+        return page_files(self.store, model, tokens)
+
+    def reader(self, served_name: str):
+        """The store as the engine serving ``served_name`` (rank 0 of 1) reads it: an object
+        with ``get(key, buffer)``, the value or None."""
+        return store_reader(self.store, served_name)
 
 
 STARTUPS: list[tuple[str, float]] = []  # (server, seconds to healthy), printed at the end
@@ -162,13 +184,13 @@ def leading(flags: list[bool]) -> int:
     return next((i for i, flag in enumerate(flags) if not flag), len(flags))
 
 
-def wait_stored(store: Path, model: str, tokens: list[int], pages: int) -> None:
+def wait_stored(live: Deployment, model: str, tokens: list[int], pages: int) -> None:
     """Until ``model``'s write-through has stored the first ``pages`` pages of ``tokens`` (and a
     moment more, for what is written beside them)."""
     deadline = time.monotonic() + STORE_TIMEOUT_S
-    while leading(page_files(store, model, tokens)) < pages:
+    while leading(live.stored(model, tokens)) < pages:
         if time.monotonic() > deadline:
-            found = leading(page_files(store, model, tokens))
+            found = leading(live.stored(model, tokens))
             raise AssertionError(f"{model} stored {found} of {pages} pages in {STORE_TIMEOUT_S} s")
         time.sleep(0.2)
     time.sleep(0.5)
@@ -179,7 +201,7 @@ def first_turn(client: LiveClient, live: Deployment, model: str, tokens: list[in
     token but the last answer token (the one whose KV is never computed), in full pages."""
     generation = client.generate(model, tokens, ANSWER)
     history = [*tokens, *generation.output_ids]
-    wait_stored(live.store, model, history, (len(history) - 1) // PAGE)
+    wait_stored(live, model, history, (len(history) - 1) // PAGE)
     return history
 
 
@@ -188,7 +210,7 @@ def translated(live: Deployment, sender: str, history: list[int], prompt_tokens:
     sender's leading stored pages of the prompt, minus the tail KVMapStorage leaves to the
     receiver (``tail_pages``), as long as that clears SGLang's 256-token prefetch threshold."""
     receiver = "b" if sender == "a" else "a"
-    stored = leading(page_files(live.store, sender, prompt_tokens))
+    stored = leading(live.stored(sender, prompt_tokens))
     prefetchable = min(stored, (len(prompt_tokens) - 1) // PAGE)
     pages = prefetchable - live.extra_config(receiver)["tail_pages"]
     return pages * PAGE if pages * PAGE >= 256 else 0
@@ -235,11 +257,12 @@ def test_bs_kv_for_the_translated_pages_is_the_translation_of_as(
     the positions A's records give (``assert_translated``)."""
     history, second, generation, expected = swapped_session
     keys = page_hashes(second)[: expected // PAGE]
-    assert_translated(live.store, NAMES["a"], NAMES["b"], keys, served_pair["packs"][0, 1])
+    assert_translated(live, NAMES["a"], NAMES["b"], keys, served_pair["packs"][0, 1])
 
 
-def assert_translated(store: Path, sender: str, receiver: str, keys: list[str], pack) -> None:
-    """The receiver's audit copies of pages ``keys`` (its store, key + ``.translated``) equal
+def assert_translated(store, sender: str, receiver: str, keys: list[str], pack) -> None:
+    """(``store``: the file store's folder, or a ``Deployment``, read through its ``reader``.)
+    The receiver's audit copies of pages ``keys`` (its store, key + ``.translated``) equal
     ``pack``'s translation of the sender's stored pages at the positions its records give,
     computed here as a worker computes it (the products in bfloat16 or float32, whichever the
     server's CPU multiplies faster: both are tried). The receiver's pages use the sender's KV
@@ -251,7 +274,7 @@ def assert_translated(store: Path, sender: str, receiver: str, keys: list[str], 
     from sgl_kvmap.sglang.pages import PageFormat
 
     records, source = stored_pages(store, sender, keys)
-    received = store_reader(store, receiver)
+    received = reader_of(store, receiver)
     page = records[0].page
     assert [r.index for r in records] == list(range(records[0].index, records[0].index + len(keys)))
     mapper = KVMapper.from_pretrained(pack)
@@ -316,14 +339,22 @@ def test_bs_answer_over_the_translated_pages_is_the_librarys_handoff(
     assert translation_effect > 10 * max(served_error, 1e-4)
 
 
-def stored_pages(store: Path, served_name: str, keys: list[str]):
-    """The records of pages ``keys`` as ``served_name``'s engine stored them, and the pages'
-    KV, token-major: [2, len(keys) x page size, layers, heads, head_dim]."""
+def reader_of(store, served_name: str):
+    """``store``'s reader for ``served_name``: a file store's folder, or a ``Deployment``."""
+    if hasattr(store, "reader"):
+        return store.reader(served_name)
+    return store_reader(store, served_name)
+
+
+def stored_pages(store, served_name: str, keys: list[str]):
+    """The records of pages ``keys`` as ``served_name``'s engine stored them in ``store`` (a
+    file store's folder, or a ``Deployment``), and the pages' KV, token-major:
+    [2, len(keys) x page size, layers, heads, head_dim]."""
     import torch
 
     from sgl_kvmap.sglang.records import PageRecord, empty_record, record_key
 
-    reader = store_reader(store, served_name)
+    reader = reader_of(store, served_name)
     records = [PageRecord.from_tensor(reader.get(record_key(k), empty_record())) for k in keys]
     page = records[0].page
     return records, torch.cat([page.to_tokens(reader.get(k, page.empty_page())) for k in keys], 1)
@@ -442,7 +473,7 @@ def test_a_restarted_b_never_serves_translated_pages_as_its_own(live, swapped_se
     assert again.cached == {"device": 0, "host": 0, "storage": 0}
     assert len(again.output_ids) > 0
     computed = [*second, *again.output_ids]  # now B's own KV: stored as B's pages
-    wait_stored(live.store, "b", computed, (len(computed) - 1) // PAGE)
+    wait_stored(live, "b", computed, (len(computed) - 1) // PAGE)
 
 
 def page_hashes(tokens: list[int]) -> list[str]:

@@ -2,13 +2,18 @@
 
 For each replay both servers start from the command lines ``sgl-kvmap sglang-args`` prints for
 the pair (``sglang.launch.engine_commands``, the function behind it, with the same options: page
-size, device, KV pool size, the prefetch deadline measured on this machine), over a fresh store
-folder, one after the other (each sees the memory the other took). ``reprefill`` gives neither
+size, device, KV pool size, the prefetch deadline measured on this machine), over a fresh store,
+one after the other (each sees the memory the other took). The store is a fresh folder, or with
+``store`` "mooncake" a fresh ``mooncake_master`` on free ports of 127.0.0.1 (the lines of
+``sglang-args --store mooncake --mooncake-master 127.0.0.1:PORT``; each server, with its own
+client, gets ``MOONCAKE_LOCAL_HOSTNAME=127.0.0.1`` as the recipe asks of every engine's host), the
+folder then holding only the servers' counters and the master's log. ``reprefill`` gives neither
 engine a pack (KVMapStorage records pages and translates nothing: the target recomputes what it
 never cached itself); ``translated`` and ``tail`` give both packs, with ``tail_pages`` 0 and
 sgl-kvmap's default tail. The turns go through ``live.replay`` (SGLang's own cached-token
 counts per tier, KVMapStorage's counters from its stats file), then both servers stop and the
-store is deleted, so nothing one replay cached or translated reaches the next.
+store is deleted (the master stopped), so nothing one replay cached or translated reaches the
+next.
 
 The servers inherit this process's environment, plus ``env``: a CPU test machine adds what
 scripts/sglang_cpu needs (benchmarks/bench_live.sh does).
@@ -16,10 +21,11 @@ scripts/sglang_cpu needs (benchmarks/bench_live.sh does).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,7 +48,8 @@ class LiveSetup:
     ids) and packs (``packs``: {("small", "large"): folder, ("large", "small"): folder}), what
     ``sglang-args`` is given for them (``options``; its store folder is the parent of each
     replay's store), the first port (the large model's is the next), the prefetch deadline,
-    a folder for the servers' logs, and variables added to their environment."""
+    a folder for the servers' logs, variables added to their environment, and the store (file,
+    or mooncake: a local master per replay)."""
 
     names: Mapping[str, str]
     packs: Mapping[tuple[str, str], str]
@@ -51,6 +58,7 @@ class LiveSetup:
     deadline: PrefetchDeadline
     logs: Path
     env: Mapping[str, str] = field(default_factory=dict)
+    store: str = "file"
 
 
 def run_live(
@@ -83,14 +91,13 @@ def replay_live(
 ) -> LiveReplay:
     """One replay on fresh servers over a fresh store (module docstring): its records, and
     (in reprefill) the answers the translating modes are judged against."""
-    Path(setup.options.store_path).mkdir(parents=True, exist_ok=True)
-    store = tempfile.mkdtemp(prefix=f"{mode}-", dir=setup.options.store_path)
-    options = mode_options(setup, mode, store, config.tail_pages)
-    lines = mode_lines(setup, mode, options)
     logs = [setup.logs / f"{replay_plan.policy}-{mode}-{role}.log" for role in ROLES]
-    stats = {role: Path(options.stats_path) / f"{role}_0_1.json" for role in ROLES}
-    try:
-        with running_servers(lines, logs, setup.env) as servers:
+    with fresh_store(setup, mode) as (store, store_fields, env):
+        options = mode_options(setup, mode, store, config.tail_pages)
+        options = dataclasses.replace(options, **store_fields)
+        lines = mode_lines(setup, mode, options)
+        stats = {role: Path(options.stats_path) / f"{role}_0_1.json" for role in ROLES}
+        with running_servers(lines, logs, env) as servers:
             urls = {role: server.url for role, server in zip(ROLES, servers)}
             with LiveClient(urls, stats=stats) as client:
                 if config.warm_opening:
@@ -107,6 +114,25 @@ def replay_live(
                     quality_tokens=config.quality_tokens,
                     page_size=options.page_size,
                 )
+
+
+@contextlib.contextmanager
+def fresh_store(setup: LiveSetup, mode: str) -> Iterator[tuple[str, dict, dict]]:
+    """A fresh store for one replay (module docstring): its folder (under the options' store
+    folder), the ``LaunchOptions`` fields that name it beyond the folder, and the servers'
+    extra environment. On exit the master is stopped and the folder deleted."""
+    Path(setup.options.store_path).mkdir(parents=True, exist_ok=True)
+    store = tempfile.mkdtemp(prefix=f"{mode}-", dir=setup.options.store_path)
+    try:
+        if setup.store != "mooncake":
+            yield store, {}, dict(setup.env)
+            return
+        from ..sglang.mooncake_master import Master
+
+        with Master(Path(store) / "mooncake_master.log") as master:
+            fields = {"store": "mooncake", "mooncake_master": master.address}
+            fields["mooncake_metadata"] = master.metadata
+            yield store, fields, {**setup.env, "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1"}
     finally:
         shutil.rmtree(store, ignore_errors=True)
 
