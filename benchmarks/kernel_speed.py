@@ -1,11 +1,14 @@
 """translate_pages (Triton and torch bodies) against the target's re-prefill, side by side.
 
     python benchmarks/kernel_speed.py [--device cuda] [--tokens 512 --tokens 2048 ...]
+        [--pair SOURCE TARGET] [--one-way]
 
-The real pair's geometry (its two configs, benchmarks/configs/), randomly initialised: what a
-forward or a map costs does not depend on the weights' values. Mappers have the shapes
-`sgl-kvmap fit` writes (reduced-rank 1,024, the default, and k-layer k = 16, whose target
-layers each read their own 16 source layers), both directions, 4 sink tokens. Pools are
+A pair's geometry (two configs of benchmarks/configs/: by default the real pair's; `--pair
+qwen3-14b qwen3-32b --one-way --tokens 32768 --no-repairs` is the paper's scale), randomly
+initialised: what a forward or a map costs does not depend on the weights' values. Mappers
+have the shapes `sgl-kvmap fit` writes (reduced-rank 1,024, the default, and k-layer k = 16,
+whose target layers each read their own 16 source layers), both directions (one with
+--one-way), 4 sink tokens. Pools are
 SGLang's MHA token pools, one [slots, kv_heads, head_dim] buffer per layer, the prefix in
 scattered slots (page size 1: the worst gather), all in --dtype.
 
@@ -13,7 +16,9 @@ Per prompt length, medians of --repeats (CUDA events on a GPU):
 - ``triton`` / ``torch``: translate_pages with that body, pool to pool;
 - ``layer0``: the target's own layer-0 KV (the fidelity rows' "layer 0 exact") and ``sinks``: a
   forward of the target over its 4 sink tokens, both part of what a translated prefix costs;
-- ``prefill``: the target's forward over the prompt (transformers, SDPA attention).
+- ``prefill``: the target's forward over the prompt (transformers, SDPA attention);
+- ``floor``: the map's matrix products alone, on content features already gathered (what no
+  body can go under).
 Ratios: prefill over the translate path with each body (translate + layer0 + sinks). Also
 the largest difference between the two bodies' outputs, relative to the outputs' largest
 magnitude.
@@ -39,8 +44,9 @@ from pathlib import Path
 import click
 import torch
 
+from sgl_kvmap.core.cache import KVCache
 from sgl_kvmap.core.fit import KINDS, LayerMap
-from sgl_kvmap.core.mapper import KVMapper
+from sgl_kvmap.core.mapper import KVMapper, content_features
 from sgl_kvmap.core.spec import spec_from_config
 from sgl_kvmap.kernels import PagedKV, translate_pages
 from sgl_kvmap.models.capture import first_layer_kv, forward_scattered, run
@@ -150,6 +156,14 @@ def timed(fn, repeats: int, device: str) -> float:
     show_default=True,
 )
 @click.option("--repeats", default=20, show_default=True)
+@click.option(
+    "--pair",
+    nargs=2,
+    default=PAIR,
+    show_default=True,
+    help="SOURCE TARGET: two config names of benchmarks/configs/.",
+)
+@click.option("--one-way", is_flag=True, help="Only SOURCE -> TARGET, not the way back too.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=RESULTS)
 @click.option(
     "--repairs/--no-repairs",
@@ -157,12 +171,12 @@ def timed(fn, repeats: int, device: str) -> float:
     show_default=True,
     help="Also time the hand-off repair's draft and forward (see the module doc).",
 )
-def main(device, dtype, token_counts, repeats, out, repairs) -> None:
+def main(device, dtype, token_counts, repeats, pair, one_way, out, repairs) -> None:
     dtype = getattr(torch, dtype)
-    configs = {name: pair_config(name) for name in PAIR}
-    specs = {name: spec_from_config(configs[name], _SharedVocab(), model_id=name) for name in PAIR}
+    configs = {name: pair_config(name) for name in pair}
+    specs = {name: spec_from_config(configs[name], _SharedVocab(), model_id=name) for name in pair}
     rows, repair_rows = [], []
-    for source, target in (PAIR, PAIR[::-1]):
+    for source, target in (pair,) if one_way else (pair, pair[::-1]):
         model = target_model(configs[target], dtype, device)
         source_model = target_model(configs[source], dtype, device) if repairs else None
         for tokens in token_counts:
@@ -182,6 +196,7 @@ def main(device, dtype, token_counts, repeats, out, repairs) -> None:
         "torch": torch.__version__,
         "repeats": repeats,
         "prefill": "transformers, SDPA attention, logits of the last token",
+        "pair": list(pair),
     }
     out.mkdir(parents=True, exist_ok=True)
     path = out / "kernel_speed.json"
@@ -217,26 +232,43 @@ def measure(source, target, model, tokens: int, repeats: int) -> list[dict]:
     positions = torch.arange(tokens, device=device)
     backends = ["triton", "torch"] if device == "cuda" or INTERPRETED else ["torch"]
     rows = []
+    gathered = KVCache(
+        [k[src_slots] for k in src_pool.keys], [v[src_slots] for v in src_pool.values], positions
+    )
     for family, shape in FAMILIES.items():
         mapper = random_mapper(source, target, **shape).to(device)
-        row, outputs = {"mapper": family, **common}, {}
+        floor = timed(products_floor(mapper, gathered), repeats, device)
+        row, outputs = {"mapper": family, **common, "floor_seconds": floor}, {}
         for backend in backends:
             translate = lambda m=mapper, b=backend: translate_pages(  # noqa: E731
                 m, src_pool, src_slots, dst_pool, dst_slots, positions, backend=b
             )
             seconds = timed(translate, repeats, device)
-            outputs[backend] = torch.stack([k[dst_slots] for k in dst_pool.keys]).float()
+            outputs[backend] = [k[dst_slots] for k in dst_pool.keys]  # in the pool's dtype
             path = seconds + common["layer0_seconds"] + common["sinks_seconds"]
             row |= {
                 f"{backend}_seconds": seconds,
                 f"{backend}_translate_speedup": common["prefill_seconds"] / seconds,
                 f"{backend}_path_speedup": common["prefill_seconds"] / path,
+                f"{backend}_over_floor": seconds / floor,
             }
-        if len(outputs) == 2:
-            diff = (outputs["triton"] - outputs["torch"]).abs().max()
-            row["triton_vs_torch_max_rel_diff"] = (diff / outputs["torch"].abs().max()).item()
+        if len(outputs) == 2:  # layer by layer: a 32B's keys of 32K tokens are 4 GB in bf16
+            pairs = list(zip(outputs["triton"], outputs["torch"]))
+            diff = max((a.float() - b.float()).abs().max().item() for a, b in pairs)
+            scale = max(b.float().abs().max().item() for _, b in pairs)
+            row["triton_vs_torch_max_rel_diff"] = diff / scale
         rows.append(row)
     return rows
+
+
+def products_floor(mapper: KVMapper, cache: KVCache):
+    """The map's matrix products alone (``KVMapper.content_products``), on the content features
+    of ``cache`` (keys/values: L x [tokens, kv_heads, head_dim], on the device), computed
+    beforehand in the cache's dtype."""
+    features = content_features(cache, mapper.source)
+    dtype = cache.keys[0].dtype
+    features = {kind: f.to(dtype) for kind, f in features.items()}
+    return lambda: [mapper.content_products(kind, features[kind]) for kind in features]
 
 
 @torch.inference_mode()
@@ -304,7 +336,8 @@ def _line(row: dict) -> str:
     return (
         f"{row['direction']:<42} {row['mapper']:<9} {row['tokens']:>6} tok | ms: triton "
         f"{ms('triton_seconds')} torch {ms('torch_seconds')} layer0 {ms('layer0_seconds')} "
-        f"sinks {ms('sinks_seconds')} prefill {ms('prefill_seconds')} | prefill / path: "
+        f"sinks {ms('sinks_seconds')} prefill {ms('prefill_seconds')} floor "
+        f"{ms('floor_seconds')} | prefill / path: "
         f"triton {ratio('triton_path_speedup')} torch {ratio('torch_path_speedup')}"
     )
 

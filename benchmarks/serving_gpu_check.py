@@ -31,6 +31,7 @@ from pathlib import Path
 import click
 import torch
 from kernel_speed import PAIR, _SharedVocab, pair_config, random_mapper, timed
+from kernel_speed import products_floor as features_floor
 
 from sgl_kvmap.core.spec import spec_from_config
 from sgl_kvmap.kernels import PagedKV, translate_pages
@@ -184,17 +185,16 @@ def scattered_pool(spec, tokens: int, device: str, seed: int) -> tuple[PagedKV, 
 
 
 def products_floor(mapper, source, positions, device):
-    """The map's matrix products alone, on content features already on the device."""
+    """The map's matrix products alone, on content features already on the device, in bf16."""
     from sgl_kvmap.core.cache import KVCache
-    from sgl_kvmap.core.mapper import content_features
 
+    layers = range(mapper.source.num_layers)
     cache = KVCache(
-        [source[0, :, layer].to(device) for layer in range(mapper.source.num_layers)],
-        [source[1, :, layer].to(device) for layer in range(mapper.source.num_layers)],
+        [source[0, :, layer].to(device, torch.bfloat16) for layer in layers],
+        [source[1, :, layer].to(device, torch.bfloat16) for layer in layers],
         positions.to(device),
     )
-    features = {k: f.to(torch.bfloat16) for k, f in content_features(cache, mapper.source).items()}
-    return lambda: [mapper.content_products(kind, features[kind]) for kind in features]
+    return features_floor(mapper, cache)
 
 
 def relative(got: torch.Tensor, want: torch.Tensor) -> float:
