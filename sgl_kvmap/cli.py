@@ -629,17 +629,25 @@ def default_nproc(sharded: bool = False) -> int:
 
 
 def _loading(ctx: click.Context, dtype: str, device_map, max_memory, offload_folder):
-    """How fit loads its models; the placement options only with --device-map."""
+    """How fit loads its models: ``dtype`` and ``_placement``."""
     import torch
 
-    from .models.placement import Loading, Placement
+    from .models.placement import Loading
+
+    placement = _placement(ctx, device_map, max_memory, offload_folder)
+    return Loading(getattr(torch, dtype), placement)
+
+
+def _placement(ctx: click.Context, device_map, max_memory, offload_folder):
+    """The placement ``placement_options`` ask for (None: each model whole); the placement
+    options only with --device-map."""
+    from .models.placement import Placement
 
     if device_map is None and (max_memory or offload_folder is not None):
         ctx.fail("--max-memory and --offload-folder take effect only with --device-map auto")
-    placement = None
-    if device_map is not None:
-        placement = Placement(tuple(max_memory), offload_folder)
-    return Loading(getattr(torch, dtype), placement)
+    if device_map is None:
+        return None
+    return Placement(tuple(max_memory), offload_folder)
 
 
 def _relaunch_under_torchrun(ctx: click.Context, nproc: int) -> None:
@@ -1681,7 +1689,7 @@ def resolve(
     default recipe's first; with --build only the default recipe's, built if missing."""
     from .registry.resolve import pack_recipe, resolve_pack
 
-    placement = _loading(ctx, "float32", device_map, max_memory, offload_folder).placement
+    placement = _placement(ctx, device_map, max_memory, offload_folder)
     nproc = nproc or default_nproc(sharded=placement is not None)
     if build:
         each = "" if placement is None else ", each model across its process's devices"
