@@ -107,6 +107,25 @@ def test_a_model_folder_without_a_tokenizer_is_named_as_such(models, tmp_path, c
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["sglang-args", "--engine", "{empty}"],
+        ["eval", "{pack}", "--source", "{empty}"],
+        ["fit", "{src}", "{empty}", "--out", "{out}"],
+    ],
+)
+def test_a_folder_that_holds_no_model_is_named_as_such(models, tmp_path, command):
+    """A folder with no config.json (a typo'd path that happens to exist) is refused in one
+    line, not with transformers' traceback about a missing ``model_type``."""
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    args = [arg.format(**models, empty=empty, out=tmp_path / "out") for arg in command]
+    line = fail_in_one_line(args)
+    assert f"{empty} is a folder, but not a model's: it has no config.json" in line
+    assert not (tmp_path / "out").exists()
+
+
 # -- 3. control characters in what the user typed -----------------------------------------
 
 

@@ -24,7 +24,15 @@ def local_folders(model: str, revision: str | None = None, *, weights: bool = Tr
     """The model source without a registry: ``model`` if it is a folder."""
     if not Path(model).is_dir():
         raise ModelSourceError(f"{model} is not a folder (no such directory)")
-    return Path(model)
+    return model_in_folder(model)
+
+
+def model_in_folder(folder: str | Path) -> Path:
+    """``folder``, an existing folder, if it holds a model (its config.json), else
+    ModelSourceError: transformers would say only that it has no ``model_type``."""
+    if not (Path(folder) / "config.json").is_file():
+        raise ModelSourceError(f"{folder} is a folder, but not a model's: it has no config.json")
+    return Path(folder)
 
 
 _source: ModelSource = local_folders

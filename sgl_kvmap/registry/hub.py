@@ -37,6 +37,7 @@ from huggingface_hub.utils import validate_repo_id
 
 from ..core.environment import PREFIX, setting
 from ..core.errors import KVMapError, ModelSourceError
+from ..core.sources import model_in_folder
 
 TIMEOUT_SETTING = "HUB_TIMEOUT"  # KVMAP_HUB_TIMEOUT: seconds a Hub request may wait for data
 # what a full or read-only cache raises (errno), and how each is said
@@ -215,7 +216,7 @@ def model_folder(model: str | Path, revision: str | None = None, *, weights: boo
     cannot be downloaded (offline, Hub unreachable, no such repo or revision).
     """
     if Path(model).is_dir():
-        return Path(model)
+        return model_in_folder(model)
     repo_id = _repo_id(str(model))
     check_hub_cache(None)
     patterns = list(MODEL_FILES if weights else SPEC_FILES)
