@@ -44,6 +44,7 @@ from .sglang.launch import (
     MAX_PAGE_SIZE,
     PAGE_SIZE,
     PREFETCH_POLICIES,
+    PREFETCH_THRESHOLD,
     STORE_PATH,
     EngineSpec,
     LaunchOptions,
@@ -1157,8 +1158,9 @@ def demo(
     "--prefetch-threshold",
     type=COUNT,
     default=BENCH.prefetch_threshold,
+    show_default=True,
     help="Tokens a stored run needs before an engine fetches it (sglang-args' "
-    "--prefetch-threshold). Default: SGLang's own.",
+    "--prefetch-threshold).",
 )
 @click.option(
     "--warm-opening/--cold-opening",
@@ -1499,10 +1501,11 @@ def _has_gpu() -> bool:
 @click.option(
     "--prefetch-threshold",
     type=COUNT,
-    default=None,
-    help="Tokens a stored run needs before an engine fetches it from the store (default: "
-    "SGLang's own, 256; at least one page). Lower it with small pages, so that short swapped "
-    "runs are translated instead of prefilled.",
+    default=PREFETCH_THRESHOLD,
+    show_default=True,
+    help="Tokens a stored run needs before an engine fetches it from the store (SGLang's own "
+    "is 256; it raises any value to one page). Below SGLang's, short swapped runs are "
+    "translated instead of prefilled.",
 )
 @click.option(
     "--audit-translations",

@@ -341,7 +341,7 @@ def test_each_mode_launches_the_servers_it_names(served_pair, tmp_path):
     import shlex
 
     from sgl_kvmap.bench.live_run import LiveSetup, mode_lines, mode_options
-    from sgl_kvmap.sglang.launch import LaunchOptions, PrefetchDeadline
+    from sgl_kvmap.sglang.launch import PAGE_SIZE, LaunchOptions, PrefetchDeadline
     from sgl_kvmap.sglang.settings import StorageSettings
 
     from .test_cli import sglang_parses
@@ -360,7 +360,7 @@ def test_each_mode_launches_the_servers_it_names(served_pair, tmp_path):
         parsed = [sglang_parses(shlex.split(line)[4:]) for line in lines]
         assert [a.port for a in parsed] == [31000, 31001]
         assert [a.served_model_name for a in parsed] == ["small", "large"]
-        assert all(a.page_size == 64 and a.device == "cpu" for a in parsed)
+        assert all(a.page_size == PAGE_SIZE and a.device == "cpu" for a in parsed)
         for args in parsed:
             extra = json.loads(args.hicache_storage_backend_extra_config)
             settings = StorageSettings.from_extra_config(extra)

@@ -85,12 +85,14 @@ def turns(deployment, trace):
 
 @pytest.fixture(scope="module")
 def records(deployment, turns):
-    """Every mode of an alternating and a sticky routing, with the sender's translations
-    checked as they are served (``translations``)."""
+    """Every mode of an alternating and a sticky routing on engines that start empty (no warm
+    opening; the levers test below compares with it), the tail mode recomputing one page."""
     config = BenchConfig(
         WorkloadConfig(scale=16, page_size=PAGE),
         policies=("sticky", "alternate"),
         quality_tokens=4,
+        tail_pages=1,
+        warm_opening=False,
         **UNTIMED,
     )
     return run_bench(deployment, turns, config)

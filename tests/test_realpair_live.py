@@ -22,9 +22,11 @@ from sgl_kvmap import CalibrationConfig, load_model
 from sgl_kvmap.fitting.calibrate import fit_mapper
 from sgl_kvmap.fitting.default_pair import LARGE, SMALL, ensure_model
 from sgl_kvmap.fitting.texts import default_eval_files, eval_windows
+from sgl_kvmap.sglang.settings import StorageSettings
 
 from .test_sglang_live import (
     ENVIRONMENT,
+    PAGE,
     assert_translated,
     leading,
     page_hashes,
@@ -36,7 +38,6 @@ pytest.importorskip("sglang", reason="the live-server tests need SGLang 0.5.23 (
 
 BUDGET = CalibrationConfig(tokens=4096, window=512, top_k=2)
 NAMES = ("qwen-coder-0.5b", "qwen-coder-1.5b")
-PAGE = 64
 PROMPT, FOLLOW_UP, ANSWER = 700, 60, 8
 START_TIMEOUT_S = 600.0
 
@@ -65,9 +66,10 @@ def stored_pages(store, served_name: str, tokens: list[int]) -> int:
 
 def test_the_1_5b_server_continues_from_the_0_5b_servers_pages_translated(folders, pack, tmp_path):
     """A 700-token prompt of held-out text served by the 0.5B server, then the history plus 60
-    tokens sent to the 1.5B server: SGLang reports the 0.5B's stored pages less the one tail
-    page as storage hits, and the pages the 1.5B received (read back through the store) are
-    the pack's translation of the 0.5B's stored pages at their recorded positions."""
+    tokens sent to the 1.5B server: SGLang reports the 0.5B's stored pages less the tail pages
+    (sglang-args' ``--tail-pages``) as storage hits, and the pages the 1.5B received (read back
+    through the store) are the pack's translation of the 0.5B's stored pages at their recorded
+    positions."""
     from transformers import AutoTokenizer
 
     from sgl_kvmap.sglang.client import LiveClient
@@ -106,7 +108,7 @@ def test_the_1_5b_server_continues_from_the_0_5b_servers_pages_translated(folder
             swapped = client.generate(NAMES[1], second, ANSWER)
     finally:
         stop_servers(servers, grace=30)
-    translated = (pages - 1) * PAGE  # the tail page is the 1.5B's own
-    assert swapped.cached == {"device": 0, "host": 0, "storage": translated}
+    translated = pages - StorageSettings.tail_pages  # the tail pages are the 1.5B's own
+    assert swapped.cached == {"device": 0, "host": 0, "storage": translated * PAGE}
     assert len(swapped.output_ids) > 0
-    assert_translated(store, NAMES[0], NAMES[1], page_hashes(second)[: pages - 1], pack)
+    assert_translated(store, NAMES[0], NAMES[1], page_hashes(second)[:translated], pack)

@@ -80,8 +80,8 @@ def test_cuda_engine_lines_are_unchanged_by_the_cpu_options(model_folders):
 def test_the_prefetch_threshold_reaches_sglangs_parser(model_folders):
     """``prefetch_threshold`` goes into every engine's extra config, where SGLang's own parser
     (``HybridCacheController.parse_storage_backend_extra_config``, what attaching the storage
-    backend calls) reads it; without it SGLang keeps its 256 tokens. Below one token it is
-    refused."""
+    backend calls) reads it; by default it is one page, and with None SGLang keeps its 256
+    tokens. Below one token it is refused."""
     import json
 
     from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
@@ -89,7 +89,13 @@ def test_the_prefetch_threshold_reaches_sglangs_parser(model_folders):
     )
 
     from sgl_kvmap.core.errors import KVMapError
-    from sgl_kvmap.sglang.launch import EngineSpec, LaunchOptions, engine_commands
+    from sgl_kvmap.sglang.launch import (
+        PAGE_SIZE,
+        PREFETCH_THRESHOLD,
+        EngineSpec,
+        LaunchOptions,
+        engine_commands,
+    )
 
     engines = [EngineSpec(model_folders["source"], "small")]
 
@@ -101,6 +107,7 @@ def test_the_prefetch_threshold_reaches_sglangs_parser(model_folders):
         return threshold
 
     assert parsed_threshold(LaunchOptions(page_size=16, prefetch_threshold=32)) == 32
-    assert parsed_threshold(LaunchOptions()) == 256
+    assert parsed_threshold(LaunchOptions()) == PREFETCH_THRESHOLD == PAGE_SIZE
+    assert parsed_threshold(LaunchOptions(prefetch_threshold=None)) == 256
     with pytest.raises(KVMapError, match="prefetch threshold 0 < 1"):
         LaunchOptions(prefetch_threshold=0)

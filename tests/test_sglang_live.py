@@ -7,9 +7,9 @@ B=tiny-b --pack ... --store-path TMP --max-total-tokens 8192`` prints (run as a 
 its output run with ``bash -c``, so the printed command is what is tested), and driven only
 through HTTP: ``POST /generate`` with ``input_ids``, greedy, by ``sgl_kvmap.sglang.client``'s
 client, which reads SGLang's own ``meta_info.cached_tokens_details`` (device, host, storage).
-Everything sglang-args does not set is SGLang's default: the page size is sglang-args' 64, the
-prefetch threshold SGLang's 256 tokens (a request prefetches only when at least 256 tokens
-beyond what it has cached are found in storage); the stop policy is ``wait_complete``
+The page size, the prefetch threshold (a request prefetches only when at least that many
+tokens beyond what it has cached are found in storage) and the tail are sglang-args' defaults;
+the stop policy is ``wait_complete``
 (``sglang-args --prefetch-policy wait_complete``): these tests check what is translated, and a
 loaded 2-core machine missed the deadline sglang-args measured on the first translations.
 
@@ -54,6 +54,7 @@ import pytest
 pytest.importorskip("sglang", reason="the live-server tests need SGLang 0.5.23 (setup_cpu.sh)")
 
 from sgl_kvmap.sglang.client import LiveClient  # noqa: E402
+from sgl_kvmap.sglang.launch import PAGE_SIZE, PREFETCH_THRESHOLD  # noqa: E402
 from sgl_kvmap.sglang.servers import (  # noqa: E402
     LiveServer,
     free_port_base,
@@ -65,7 +66,8 @@ from sgl_kvmap.sglang.servers import (  # noqa: E402
 from .conftest import hicache_storage_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGE = 64  # sglang-args' default --page-size
+PAGE = PAGE_SIZE  # sglang-args' default --page-size
+THRESHOLD = max(PREFETCH_THRESHOLD, PAGE)  # its --prefetch-threshold, as SGLang raises it
 MAX_TOTAL_TOKENS = 8192
 ANSWER = 8  # greedy tokens per request
 NAMES = {"a": "tiny-a", "b": "tiny-b"}  # served names
@@ -208,12 +210,12 @@ def first_turn(client: LiveClient, live: Deployment, model: str, tokens: list[in
 def translated(live: Deployment, sender: str, history: list[int], prompt_tokens: list[int]):
     """Tokens SGLang should report from storage for ``prompt_tokens`` on the receiver: the
     sender's leading stored pages of the prompt, minus the tail KVMapStorage leaves to the
-    receiver (``tail_pages``), as long as that clears SGLang's 256-token prefetch threshold."""
+    receiver (``tail_pages``), as long as that clears the prefetch threshold."""
     receiver = "b" if sender == "a" else "a"
     stored = leading(live.stored(sender, prompt_tokens))
     prefetchable = min(stored, (len(prompt_tokens) - 1) // PAGE)
     pages = prefetchable - live.extra_config(receiver)["tail_pages"]
-    return pages * PAGE if pages * PAGE >= 256 else 0
+    return pages * PAGE if pages * PAGE >= THRESHOLD else 0
 
 
 @pytest.fixture(scope="module")
@@ -229,12 +231,14 @@ def swapped_session(live):
 
 
 def test_a_session_served_by_a_is_translated_for_b(live, swapped_session):
-    """B reports A's stored pages as storage hits, less the tail page it computes itself: with
-    A's 6 pages (407 tokens of KV) and tail_pages 1, 320 tokens; and B answers."""
+    """B reports A's stored pages as storage hits, less the tail pages it computes itself: all
+    of A's full pages of 407 tokens of KV (25 at 16-token pages) but the last ``tail_pages``
+    (22 pages, 352 tokens at 3); and B answers."""
     history, second, generation, expected = swapped_session
     assert live.extra_config("b")["translate"] and live.extra_config("b")["peers"]
-    assert leading(page_files(live.store, "a", history)) == 6
-    assert expected == 5 * PAGE
+    pages = leading(page_files(live.store, "a", history))
+    assert pages == (len(history) - 1) // PAGE
+    assert expected == (pages - live.extra_config("b")["tail_pages"]) * PAGE > 0
     assert generation.cached == {"device": 0, "host": 0, "storage": expected}
     assert generation.prompt_tokens == len(second) and len(generation.output_ids) > 0
 
@@ -449,7 +453,7 @@ def test_a_warmed_opening_stays_the_engines_own_and_only_what_follows_is_transla
         generation = client.generate("b", second, ANSWER)
     stored = min(leading(page_files(live.store, "a", second)), (len(second) - 1) // PAGE)
     translated_pages = stored - 1 - live.extra_config("b")["tail_pages"]
-    assert translated_pages * PAGE >= 256  # SGLang's prefetch threshold
+    assert translated_pages * PAGE >= THRESHOLD
     assert generation.cached == {"device": PAGE, "host": 0, "storage": translated_pages * PAGE}
     assert len(generation.output_ids) > 0
 

@@ -52,6 +52,7 @@ from typing import NamedTuple, Protocol
 
 from ..core.errors import KVMapError
 from ..sglang.client import Generation, LiveClient, LiveServerError
+from ..sglang.launch import PAGE_SIZE
 from .records import (
     MODES,
     REFERENCE_MODE,
@@ -110,7 +111,7 @@ def replay(
     client: LiveClient,
     references: Mapping[int, Reference] | None = None,
     quality_tokens: int = QUALITY_TOKENS,
-    page_size: int = 64,
+    page_size: int = PAGE_SIZE,
 ) -> LiveReplay:
     """Replay ``turns`` (arrival order) one at a time; ``models[i]`` serves ``turns[i]``
     (the policy's routing), ``swapped[i]`` says whether it changed model, ``ideal_reuse[i]``

@@ -37,15 +37,15 @@ import torch
 
 from ..core.errors import KVMapError
 from ..models.capture import LoadedModel, run
-from ..sglang.launch import PrefetchDeadline
-from ..sglang.settings import INNER_BACKENDS
+from ..sglang.launch import PAGE_SIZE, PREFETCH_THRESHOLD, PrefetchDeadline
+from ..sglang.settings import INNER_BACKENDS, StorageSettings
 from .records import MODES, REFERENCE_MODE, Quality, RequestRecord, Scores, agreement
 from .workload import Turn
 
 MODE_SETTINGS = {
     "reprefill": {"translate": False},
     "translated": {"translate": True, "tail_pages": 0},
-    "tail": {"translate": True, "tail_pages": 1},
+    "tail": {"translate": True, "tail_pages": StorageSettings.tail_pages},
 }
 KV_DTYPE = torch.bfloat16  # the engines' KV pools (and so their stored pages)
 MIN_SEGMENT = 16 << 20  # bytes: Mooncake refuses to mount less
@@ -95,9 +95,9 @@ def replay(
     *,
     quality_tokens: int = 16,
     device_tokens: int = 8192,
-    page_size: int = 64,
+    page_size: int = PAGE_SIZE,
     deadline: PrefetchDeadline = PrefetchDeadline(),
-    prefetch_threshold: int | None = None,
+    prefetch_threshold: int | None = PREFETCH_THRESHOLD,
     overrides: dict | None = None,
     opening: tuple[int, ...] = (),
     on_request: Callable[[RequestRecord], None] | None = None,
@@ -106,8 +106,8 @@ def replay(
 ) -> list[RequestRecord]:
     """Serve ``plan``'s turns in ``mode`` on fresh engines over a fresh store; one record each.
     The engines run as ``sglang-args`` launches them: ``page_size`` tokens a page, SGLang's
-    prefetch stop policy and ``deadline``, its own prefetch threshold (``prefetch_threshold``
-    lowers it, for tests' short prompts).
+    prefetch stop policy and ``deadline``, ``prefetch_threshold`` tokens before a prefetch
+    (None: SGLang's own).
 
     The reprefill replay stores each swapped request's answer in ``plan.references``; the
     translating modes need it (run reprefill first). The engines translate with any pack (no

@@ -19,7 +19,7 @@ from pathlib import Path
 from ..core.errors import KVMapError, PackError
 from ..core.files import replacing_folder, writable_place
 from ..fitting.config import CalibrationConfig, PackRecipe
-from ..sglang.launch import PrefetchDeadline
+from ..sglang.launch import PREFETCH_THRESHOLD, PrefetchDeadline
 from ..sglang.settings import INNER_BACKENDS
 from .records import MODES, REFERENCE_MODE, RequestRecord
 from .replay import MODE_SETTINGS, Deployment, ReplayPlan, replay
@@ -56,8 +56,8 @@ class BenchConfig:
     quality_tokens: the greedy answer judged on swapped requests; device_tokens: each engine's
     device KV pool (its host pool is twice that, SGLang's default ratio); deadline: SGLang's
     prefetch stop policy and deadline (what ``sglang-args`` sets: measured on the machine by
-    ``launch.measured_deadline``); prefetch_threshold: tokens a prefetch needs (None: SGLang's
-    own, as ``sglang-args`` leaves it); quality_floor: the engines' floor on the gap closed a
+    ``launch.measured_deadline``); prefetch_threshold: tokens a prefetch needs (as ``sglang-args``
+    sets it; None: SGLang's own); quality_floor: the engines' floor on the gap closed a
     pack records (``StorageSettings.quality_floor``; None, the default here, measures what
     translation does with any pack, where ``sglang-args`` would keep a pack below its floor
     unused); tail_pages: the pages the ``tail`` mode recomputes; warm_opening: every engine
@@ -72,10 +72,10 @@ class BenchConfig:
     device_tokens: int = 8192
     seed: int = 0
     deadline: PrefetchDeadline = field(default_factory=PrefetchDeadline)
-    prefetch_threshold: int | None = None
+    prefetch_threshold: int | None = PREFETCH_THRESHOLD
     quality_floor: float | None = None
     tail_pages: int = MODE_SETTINGS["tail"]["tail_pages"]
-    warm_opening: bool = False
+    warm_opening: bool = True
     store: str = "file"
 
     def __post_init__(self) -> None:

@@ -52,6 +52,7 @@ from typing import NamedTuple
 
 from ..core.errors import KVMapError
 from ..core.strict_json import loads_finite
+from ..sglang.launch import PAGE_SIZE
 
 TRACE_BLOCK_TOKENS = 512  # the Mooncake trace's prefix block
 DEFAULT_TRACE = Path(__file__).with_name("data") / "mooncake_conversation_trace.jsonl"
@@ -93,7 +94,7 @@ class WorkloadConfig:
     min_turns: int = 2
     max_turns: int = 4
     max_prompt_tokens: int | None = 768  # after scaling; None: no cap
-    page_size: int = 64  # sglang-args' --page-size; blocks of 512 / scale tokens must fill pages
+    page_size: int = PAGE_SIZE  # sglang-args'; blocks of 512 / scale tokens must fill pages
     continuation_tokens: int = CONTINUATION_TOKENS  # true next tokens kept per request
 
     def __post_init__(self):

@@ -39,7 +39,11 @@ CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native")
 STORE_PATH = "/tmp/sgl-kvmap-hicache"  # the file store's folder
 MOONCAKE_METADATA_PORT = 8080  # the Mooncake master's HTTP metadata server, by default
 STATS_FOLDER = "kvmap-stats"  # each engine's counters, in the store's folder
-PAGE_SIZE = 64  # every engine's --page-size (tokens per page)
+# Every engine's --page-size and --prefetch-threshold (tokens): small pages let a swap recompute
+# a short tail (StorageSettings.tail_pages) and fetch a short run, which SGLang's own threshold
+# (256 tokens) would prefill instead (docs/LOG.md, "the tail at 16-token pages")
+PAGE_SIZE = 16
+PREFETCH_THRESHOLD = PAGE_SIZE
 MAX_PAGE_SIZE = 1024  # beyond it a page outgrows the prompts it would cache
 
 
@@ -120,7 +124,7 @@ class LaunchOptions:
     quality_floor: float | None = StorageSettings.quality_floor
     mooncake_master: str = ""
     mooncake_metadata: str = ""
-    prefetch_threshold: int | None = None
+    prefetch_threshold: int | None = PREFETCH_THRESHOLD
 
     def __post_init__(self) -> None:
         StorageSettings(quality_floor=self.quality_floor)  # its checks

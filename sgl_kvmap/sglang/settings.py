@@ -98,7 +98,8 @@ class StorageSettings:
     inner_backend: str = "file"
     translate: bool = False
     sinks: str = "translate"
-    tail_pages: int = 1  # docs/LOG.md, serving fidelity: the tail beats translating it
+    # 48 tokens at sglang-args' 16-token pages (docs/LOG.md, "the tail at 16-token pages")
+    tail_pages: int = 3
     concurrent_translations: int = 2
     interface_v1: bool = False
     model_path: str = ""
