@@ -362,10 +362,14 @@ def test_sglang_args_say_which_packs_clear_the_quality_floor(fitted_pack, model_
         None,
     )  # fmt: skip
     mapper = KVMapper.from_pretrained(fitted_pack[0])
-    mapper.info["metrics"].update(eval_gap_closed_tail=0.25, eval_gap_closed=-0.5)
+    mapper.info["metrics"].update(eval_gap_closed_tail=0.25, eval_gap_closed=-0.5, eval_tail=32)
     recorded = mapper.save_pretrained(tmp_path / "recorded")
     floors, floor = printed(recorded, "--quality-floor", "0.2")
-    assert floor == 0.2 and "records eval_gap_closed_tail 0.250; used: above" in floors[0]
+    assert (
+        floor == 0.2
+        and "records eval_gap_closed_tail 0.250 (measured with a 32-token tail" in (floors[0])
+    )
+    assert "these engines recompute 48); used: above" in floors[0]
     floors, _ = printed(recorded, "--tail-pages", "0")
     assert "records eval_gap_closed -0.500; NOT used" in floors[0]
     result = succeed([*args, "--page-size", "16", "--prefetch-threshold", "32"])

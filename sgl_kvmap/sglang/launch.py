@@ -284,8 +284,9 @@ def floor_lines(
     peers_by_engine: dict[str, list[PeerSettings]], options: LaunchOptions
 ) -> list[str]:
     """One line per pack (``peers_of``' peers of each engine): the gap closed it records for the
-    engines' mode and whether it clears ``options.quality_floor`` (a pack that does not is not
-    used: its swaps are prefilled)."""
+    engines' mode (with the tail it was measured with, beside the engines' own) and whether it
+    clears ``options.quality_floor`` (a pack that does not is not used: its swaps are
+    prefilled)."""
     settings = StorageSettings(tail_pages=options.tail_pages, quality_floor=options.quality_floor)
     lines = []
     for target, peers in peers_by_engine.items():
@@ -293,6 +294,11 @@ def floor_lines(
             metrics = read_config(Path(peer.pack)).get("metrics", {})
             key, gap = recorded_gap_closed(metrics, options.tail_pages)
             measured = f"records {key} {gap:.3f}" if gap is not None else f"records no {key}"
+            if gap is not None and options.tail_pages and type(metrics.get("eval_tail")) is int:
+                measured += (
+                    f" (measured with a {metrics['eval_tail']}-token tail on the library's "
+                    f"windows; these engines recompute {options.tail_pages * options.page_size})"
+                )
             refusal = settings.floor_refusal(metrics)
             if options.quality_floor is None:
                 verdict = "used (no quality floor)"
