@@ -39,6 +39,10 @@ def cache_snapshot(cache, loaded, weights: bool = True):
 
 
 def test_a_local_folder_is_itself(tmp_path, hub_cache):
+    """A folder holding a model (its config.json) is itself; one holding none is refused."""
+    with pytest.raises(ModelSourceError, match="is a folder, but not a model's: it has no config"):
+        model_folder(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
     assert model_folder(tmp_path) == tmp_path
 
 
@@ -49,6 +53,7 @@ def test_neither_a_folder_nor_a_repo_id_is_one_clear_error(model, hub_cache):
 
 
 def test_without_the_registry_only_folders_are_models(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
     assert local_folders(str(tmp_path)) == tmp_path
     with pytest.raises(ModelSourceError, match="not a folder"):
         local_folders(REPO)
