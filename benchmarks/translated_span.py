@@ -2,7 +2,7 @@
 true continuation moves with the span of its prompt that is translated.
 
     python benchmarks/translated_span.py RESULTS_DIR --request N --pack PACK [--opening 64]
-        [--end T]... [--exact-first-layer]
+        [--end T]... [--exact-first-layer] [--source-bf16] [--matmul float32|bfloat16]
 
 The request's prompt and continuation are rebuilt from the run's own workload settings
 (run.json). The target's cache is composed as a served swap composes it: its own KV for the
@@ -12,8 +12,10 @@ the sending engine did; its layer 0 mapped, as KVMapStorage's ``sinks: translate
 unless ``--exact-first-layer``), then the target computing the rest of the prompt over it (the
 tail and the new tokens) and the continuation teacher-forced. ``end`` = ``opening`` is the
 target's own re-prefill. Scores are top-1 accuracy and mean NLL (nats/token) of the
-continuation, as the benchmark scores a swap. The library computes in float32 where the engines
-keep bfloat16 pools, so small differences from the run's records are expected.
+continuation, as the benchmark scores a swap. The library computes in float32 unless
+``--source-bf16`` rounds the source's KV to bfloat16 (as the engines' pools keep it) and
+``--matmul bfloat16`` runs the map's products in bfloat16 (as a CPU engine with fast bfloat16
+does).
 """
 
 from __future__ import annotations
@@ -60,8 +62,13 @@ def scores_after(target, cache: KVCache, rest: torch.Tensor, continuation: torch
 @click.option("--opening", type=int, default=64, show_default=True)
 @click.option("--end", "ends", type=int, multiple=True, help="Where translation stops.")
 @click.option("--exact-first-layer", is_flag=True, help="The target's own layer 0.")
+@click.option("--source-bf16", is_flag=True, help="The source's KV rounded to bfloat16.")
+@click.option("--matmul", type=click.Choice(["float32", "bfloat16"]), default="float32")
 @torch.no_grad()
-def main(results: Path, request: int, pack: str, opening: int, ends, exact_first_layer) -> None:
+def main(
+    results: Path, request: int, pack: str, opening: int, ends, exact_first_layer, source_bf16,
+    matmul,
+) -> None:  # fmt: skip
     header = json.loads((results / "run.json").read_text())
     models = dict(part.split(" ", 1) for part in header["models"].split(", "))
     mapper = KVMapper.from_pretrained(pack)
@@ -72,14 +79,22 @@ def main(results: Path, request: int, pack: str, opening: int, ends, exact_first
     print(f"request {request}: {prompt.numel()} prompt tokens, {continuation.numel()} scored")
     own = run(target.model, prompt[:opening]).cache
     source_cache = run(source.model, prompt).cache
+    if source_bf16:
+        source_cache = KVCache(
+            [k.bfloat16().float() for k in source_cache.keys],
+            [v.bfloat16().float() for v in source_cache.values],
+            source_cache.positions,
+        )
     for end in sorted({opening, *ends}):
         cache = own
         if end > opening:
             span = source_cache.slice(opening, end)
             tokens = prompt[opening:end]
-            cache = composed_cache(
-                own, mapped_prefix(mapper, span, tokens, target.model, exact_first_layer)
-            )
+            if exact_first_layer:
+                mapped = mapped_prefix(mapper, span, tokens, target.model)
+            else:  # layer 0 mapped too, as KVMapStorage serves it
+                mapped = mapper.map(span, getattr(torch, matmul))
+            cache = composed_cache(own, mapped)
         accuracy, nll = scores_after(target.model, cache, prompt[end:], continuation)
         label = "re-prefill" if end == opening else f"tokens {opening}-{end} translated"
         print(f"{label:>32}: accuracy {accuracy:.3f}, NLL {nll:.3f}")
