@@ -19,6 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from translated_span import composed_cache, scores_after
+
 from sgl_kvmap import KVMapper, load_model
 from sgl_kvmap.bench.replay import Deployment, replay
 from sgl_kvmap.bench.run import BenchConfig, pair_and_packs, plan
@@ -40,7 +42,8 @@ deadline = (
     if policy == "wait"
     else PrefetchDeadline(base=1.0, per_ki_token=1.007)
 )
-opening = shared_opening(turns, 16)
+opening = shared_opening(turns, config.workload.page_size)
+mapper = KVMapper.from_pretrained(packs["small", "large"])
 common = dict(
     quality_tokens=8, deadline=deadline, overrides={"quality_floor": None}, opening=opening
 )
@@ -57,7 +60,6 @@ def check(engines, i, slots, record):
     stored = engines[sender].cached_slots(tokens)
     held = engines[sender].pool_kv(stored[start:]) if len(stored) >= start + n else None
     fresh = run(models["small"].model, torch.tensor(tokens)).cache.slice(start, start + n)
-    mapper = KVMapper.from_pretrained(packs["small", "large"])
     got = engines["large"].pool_kv(slots[start : start + n])
     served = record.quality.continuation
     line = f"req {i} start {start} n {n} acc {served.accuracy:.3f} nll {served.nll:.3f}"
@@ -89,7 +91,6 @@ def check(engines, i, slots, record):
             for h, f in zip(held.values, fresh.values)
         )
         line += f" | held vs fresh V max {verr:.3g}"
-        from translated_span import composed_cache, scores_after
 
         own = run(models["large"].model, torch.tensor(tokens[:start])).cache
         cont = torch.tensor(turns[i].continuation)
