@@ -8,8 +8,12 @@ the translated tokens against a fresh float32 forward of the 0.5B (max abs diffe
 values); the 1.5B's served KV for them against the pack's map of that held KV (bf16 products,
 as the engine runs it) and of the fresh KV; and the library's score when the 1.5B computes the
 rest of the prompt itself over its own opening plus the map of the held (or fresh) KV
-(``translated_span.composed_cache``). ``wait``: SGLang's wait_complete policy instead of the
-timeout policy with the deadline measured on the reference machine.
+(``translated_span.composed_cache``), and over the receiving engine's own pool for the
+tokens before the translated ones with the map of the held KV after them; and how far that
+pool's KV for those first tokens is from the 1.5B's own forward (a warm opening the engine
+translated instead of computing shows here: docs/LOG.md, 2026-12-07). ``wait``: SGLang's
+wait_complete policy instead of the timeout policy with the deadline measured on the
+reference machine.
 """
 
 import sys
@@ -93,6 +97,10 @@ def check(engines, i, slots, record):
         line += f" | held vs fresh V max {verr:.3g}"
 
         own = run(models["large"].model, torch.tensor(tokens[:start])).cache
+        pooled = engines["large"].pool_kv(slots[:start])
+        pooled = KVCache(
+            [k.float() for k in pooled.keys], [v.float() for v in pooled.values], own.positions
+        )
         cont = torch.tensor(turns[i].continuation)
         rest = torch.tensor(turns[i].tokens[start + n :])
         for label, kv in (("held", held), ("fresh", fresh)):
@@ -105,6 +113,12 @@ def check(engines, i, slots, record):
                 models["large"].model, composed_cache(own, mapper.map(src)), rest, cont
             )
             line += f" | library over {label}: {acc:.3f} {nll:.3f}"
+            if label == "held":
+                composed = composed_cache(pooled, mapper.map(src))
+                acc, nll = scores_after(models["large"].model, composed, rest, cont)
+                line += f" | the engine's first tokens + map(held): {acc:.3f} {nll:.3f}"
+        opening = max((p - o).abs().max().item() for p, o in zip(pooled.keys, own.keys))
+        line += f" | the engine's first tokens vs its own forward, K max {opening:.3g}"
     print(line, flush=True)
 
 

@@ -50,7 +50,12 @@ from .sglang.launch import (
     LaunchOptions,
     PrefetchDeadline,
 )
-from .sglang.settings import INNER_BACKENDS, MAX_CONCURRENT_TRANSLATIONS, StorageSettings
+from .sglang.settings import (
+    INNER_BACKENDS,
+    MAX_CONCURRENT_TRANSLATIONS,
+    SINK_POLICIES,
+    StorageSettings,
+)
 
 # the defaults every option shows and falls back to (sgl_kvmap/fitting/config.py)
 PACK, TUNE, EVAL, DEMO = PackRecipe(), TuneConfig(), EvalConfig(), DemoConfig()
@@ -1171,6 +1176,13 @@ def demo(
     "the serving recipe; --cold-opening starts the engines empty.",
 )
 @click.option(
+    "--sinks",
+    type=click.Choice(SINK_POLICIES),
+    default=BENCH.sinks,
+    show_default=True,
+    help="Whether the engines may translate a prefix's first page (sglang-args' --sinks).",
+)
+@click.option(
     "--quality-floor",
     type=FloorType(),
     default=BENCH.quality_floor,
@@ -1218,6 +1230,13 @@ def demo(
     help="Folder for records.jsonl, run.json, summary.md and the plots (replaced if it holds "
     "an earlier run).",
 )
+@click.option(
+    "--record",
+    is_flag=True,
+    help="Also write each pack's served figures (retention and gap closed of the swaps it "
+    "translated, per translating mode) into its metrics: engines served as this run served "
+    "(page size, tail, sinks) check these against their --quality-floor before the library's.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary rows as JSON.")
 @click.pass_context
 def bench(
@@ -1242,6 +1261,7 @@ def bench(
     page_size,
     prefetch_threshold,
     warm_opening,
+    sinks,
     quality_floor,
     store,
     live,
@@ -1249,6 +1269,7 @@ def bench(
     port,
     store_path,
     out,
+    record,
     as_json,
 ) -> None:
     """Benchmark prefix reuse across model swaps on a request trace.
@@ -1266,7 +1287,7 @@ def bench(
     from tqdm import tqdm
 
     from .bench.report import summarize, summary_markdown
-    from .bench.run import check_out, header, pair_and_packs, save_run
+    from .bench.run import check_out, header, pair_and_packs, record_in_packs, save_run
     from .sglang.launch import measured_deadline
 
     check_out(out)
@@ -1296,6 +1317,7 @@ def bench(
         quality_floor=quality_floor,
         tail_pages=tail_pages,
         warm_opening=warm_opening,
+        sinks=sinks,
         prefetch_threshold=prefetch_threshold,
     )
     given = {
@@ -1304,6 +1326,14 @@ def bench(
         if pack
     }
     names, packs = pair_and_packs(small, large, given)
+    downloaded = [pack for pack in packs.values() if Path(pack).parent.name == "snapshots"]
+    if record and downloaded:
+        raise click.BadParameter(
+            f"{downloaded[0]} is a download in the Hugging Face cache; copy it (cp -rL), pass "
+            "the copy (--pack-up/--pack-down) and record into it",
+            ctx,
+            param_hint="'--record'",
+        )
     device = device or ("cuda" if _has_gpu() else "cpu")
     deadline, lines = measured_deadline(list(packs.values()), device=device if live else "cpu")
     for line in [*lines, *_bench_floor_lines(names, packs)]:
@@ -1314,6 +1344,8 @@ def bench(
         turns, records, engines = run(names, packs, config, bar, device, port, store_path)
     run_header = header(config, names, packs, turns, _command_line(), engines)
     summary = save_run(records, run_header, out)
+    for line in record_in_packs(records, config, packs, run_header) if record else []:
+        click.echo(line, err=True)
     if as_json:
         click.echo(json.dumps(summarize(records), indent=2, default=str))
     else:
@@ -1376,6 +1408,7 @@ def _live_bench(names, packs, config, bar, device, port, store_path):
         max_total_tokens=config.device_tokens,
         quality_floor=config.quality_floor,
         prefetch_threshold=config.prefetch_threshold,
+        sinks=config.sinks,
     )
     logs = Path(store_path) / "logs"
     setup = LiveSetup(names, packs, options, port, config.deadline, logs, store=config.store)
@@ -1508,6 +1541,16 @@ def _has_gpu() -> bool:
     "translated instead of prefilled.",
 )
 @click.option(
+    "--sinks",
+    type=click.Choice(SINK_POLICIES),
+    default=StorageSettings.sinks,
+    show_default=True,
+    help="'native': an engine computes a prefix's first page (its attention sinks) itself and "
+    "translates only after it, so a swap whose opening it never served is prefilled; "
+    "'translate': it also translates that page, and every later request sharing it reads it "
+    "translated.",
+)
+@click.option(
     "--audit-translations",
     is_flag=True,
     help="Also keep every page an engine receives translated in its store (key + "
@@ -1516,7 +1559,7 @@ def _has_gpu() -> bool:
 @click.pass_context
 def sglang_args(ctx, engines, packs, store, mooncake_master, mooncake_metadata, store_path,
                 page_size, port, tp_size, prefetch_policy, device, max_total_tokens, tail_pages,
-                concurrent_translations, prefetch_threshold, quality_floor,
+                concurrent_translations, prefetch_threshold, quality_floor, sinks,
                 audit_translations):  # fmt: skip
     """Print the SGLang launch command of every ENGINE, sharing prefixes through sgl-kvmap."""
     from .sglang.launch import (
@@ -1540,7 +1583,7 @@ def sglang_args(ctx, engines, packs, store, mooncake_master, mooncake_metadata, 
     options = LaunchOptions(
         store, store_path, page_size, device, max_total_tokens, tail_pages,
         concurrent_translations, audit_translations, quality_floor, mooncake_master,
-        mooncake_metadata, prefetch_threshold,
+        mooncake_metadata, prefetch_threshold, sinks,
     )  # fmt: skip
     deadline, lines = measured_deadline(
         list(packs), prefetch_policy, concurrent=concurrent_translations, device=device

@@ -57,7 +57,8 @@ def turns(deployment, trace):  # noqa: F811
 def test_mooncake_replays_reuse_the_same_tokens_per_tier_as_the_file_store(deployment, turns):  # noqa: F811
     """Re-prefill and translated replays of an alternating routing over each store, with device
     pools the trace overflows: storage serves pages in both (the tier the default pools never
-    reach), translation happens, and every request reuses the same tokens from every tier."""
+    reach), translation happens, and every request reuses the same tokens from every tier.
+    Engines that start empty and may translate a prefix's first page."""
     config = BenchConfig(WorkloadConfig(scale=SCALE, page_size=PAGE), policies=("alternate",))
     ((replay_plan, _),) = plan(turns, config)
     served = {}
@@ -73,6 +74,7 @@ def test_mooncake_replays_reuse_the_same_tokens_per_tier_as_the_file_store(deplo
                 device_tokens=SMALL_POOL,
                 store=store,
                 **UNTIMED,
+                overrides={"sinks": "translate"},
             )
             for mode in ("reprefill", "translated")
         ]

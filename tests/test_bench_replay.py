@@ -86,13 +86,16 @@ def turns(deployment, trace):
 @pytest.fixture(scope="module")
 def records(deployment, turns):
     """Every mode of an alternating and a sticky routing on engines that start empty (no warm
-    opening; the levers test below compares with it), the tail mode recomputing one page."""
+    opening; the levers test below compares with it) and may translate a prefix's first page
+    (``sinks: translate``: so a fresh engine's swaps translate), the tail mode recomputing one
+    page."""
     config = BenchConfig(
         WorkloadConfig(scale=16, page_size=PAGE),
         policies=("sticky", "alternate"),
         quality_tokens=4,
         tail_pages=1,
         warm_opening=False,
+        sinks="translate",
         **UNTIMED,
     )
     return run_bench(deployment, turns, config)
@@ -206,7 +209,7 @@ def test_every_translated_request_holds_the_reference_translation(deployment, tu
     """Tokens a swapped request got by translation hold exactly the pack's map of what the
     sending engine computed for them (read from its device pool, where its tree holds them) at
     their true positions, as the translation runs (bfloat16 pools, products in the CPU's fast
-    dtype)."""
+    dtype). Engines that start empty and may translate a prefix's first page."""
     config = BenchConfig(
         WorkloadConfig(scale=16, page_size=PAGE), policies=("alternate",), quality_tokens=2
     )
@@ -242,6 +245,7 @@ def test_every_translated_request_holds_the_reference_translation(deployment, tu
         quality_tokens=2,
         page_size=PAGE,
         **UNTIMED,
+        overrides={"sinks": "translate"},
         inspect=check,
     )
     assert len(checked) >= 3 and all(replay_plan.swapped[i] for i in checked)
@@ -327,6 +331,73 @@ def test_the_command_writes_records_summary_and_plots_and_keeps_foreign_folders(
     refused = CliRunner().invoke(main, [*args, "--out", str(foreign)])
     assert refused.exit_code == 1 and "not a benchmark run's output" in refused.stderr
     assert (foreign / "notes.txt").read_text() == "keep me"
+
+
+def test_the_command_records_the_served_figures_in_the_packs(deployment, trace, tmp_path):
+    """`sgl-kvmap bench --record` through click, at the serving defaults (warm opening, sinks
+    native, the 3-page tail) on copies of the tiny packs: each pack's metrics then hold the
+    retention and gap closed of the swaps it translated in each translating mode, computed here
+    from records.jsonl, with the page size, sinks policy and tail they were served with, and an
+    engine serving as the run served reads them for its quality floor. A pack downloaded into
+    the Hugging Face cache is refused before any work."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from sgl_kvmap.cli import main
+    from sgl_kvmap.core.mapper import KVMapper
+    from sgl_kvmap.sglang import StorageSettings
+
+    packs = {
+        pair: Path(shutil.copytree(folder, tmp_path / f"pack-{pair[1]}"))
+        for pair, folder in deployment.packs.items()
+    }
+    args = [
+        "bench",
+        *("--small", deployment.names["small"], "--large", deployment.names["large"]),
+        *("--pack-up", str(packs["small", "large"]), "--pack-down", str(packs["large", "small"])),
+        *("--trace", str(trace), "--scale", "8", "--sessions", "4", "--quality-tokens", "2"),
+        *("--policy", "alternate", "--mode", "translated", "--mode", "tail"),
+    ]
+    out = tmp_path / "run"
+    result = CliRunner().invoke(main, [*args, "--out", str(out), "--record"])
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    recorded = 0
+    for (_, receiver), pack in packs.items():
+        metrics = KVMapper.from_pretrained(pack).info["metrics"]
+        for mode, suffix in (("tail", "_tail"), ("translated", "")):
+            swaps = [
+                r["quality"]
+                for r in records
+                if r["mode"] == mode and r["model"] == receiver and r["reused"]["translated"]
+            ]
+            if not swaps:
+                assert f"served_swaps{suffix}" not in metrics
+                continue
+            served = sum(q["continuation"]["accuracy"] for q in swaps)
+            reference = sum(q["baselines"]["reference"]["accuracy"] for q in swaps)
+            assert metrics[f"served_swaps{suffix}"] == len(swaps)
+            assert metrics[f"served_retention{suffix}"] == pytest.approx(served / reference)
+            recorded += 1
+        if any(key.startswith("served_") for key in metrics):
+            assert metrics["served_page_size"] == 16 and metrics["served_sinks"] == "native"
+            assert metrics["served_command"].startswith("sgl-kvmap bench ")
+            assert f"recorded in {pack}" in result.stderr
+        if "served_swaps_tail" in metrics:
+            assert metrics["served_tail"] == StorageSettings.tail_pages * 16
+        if "served_gap_closed_tail_low" in metrics:
+            assert StorageSettings().recorded_gap_closed(metrics, 16) == (
+                "served_gap_closed_tail_low",
+                metrics["served_gap_closed_tail_low"],
+            )
+    assert recorded >= 2  # both modes translated swaps at the defaults
+    snapshot = Path(shutil.copytree(packs["small", "large"], tmp_path / "snapshots" / ("0" * 40)))
+    refused = CliRunner().invoke(
+        main, [*args, "--pack-up", str(snapshot), "--out", str(tmp_path / "no"), "--record"]
+    )
+    assert refused.exit_code == 2 and "--record" in refused.output
+    assert not (tmp_path / "no").exists()
 
 
 def test_a_small_device_pool_evicts_and_reuse_comes_back_from_the_host_pool(deployment, turns):

@@ -319,14 +319,14 @@ def test_eval_record_writes_what_it_measured_into_the_pack(fitted_pack, text_dir
     import shutil
 
     from sgl_kvmap.core.mapper import KVMapper
-    from sgl_kvmap.sglang.settings import recorded_gap_closed
+    from sgl_kvmap.sglang.settings import StorageSettings
 
     pack = Path(shutil.copytree(fitted_pack[0], tmp_path / "pack"))
     args = ["eval", str(pack), "--texts", str(text_dir / "eval"), "--prefix-len", "48"]
     args += ["--continuation", "16", "--tail", "4", "--windows", "2", "--json", "--record"]
     report = json.loads(succeed(args).stdout)
     metrics = KVMapper.from_pretrained(pack).info["metrics"]
-    assert recorded_gap_closed(metrics, tail_pages=1) == (
+    assert StorageSettings(tail_pages=1).recorded_gap_closed(metrics, page_size=16) == (
         "eval_gap_closed_tail",
         report["gap_closed_tail"],
     )
@@ -372,6 +372,23 @@ def test_sglang_args_say_which_packs_clear_the_quality_floor(fitted_pack, model_
     assert "these engines recompute 48); used: above" in floors[0]
     floors, _ = printed(recorded, "--tail-pages", "0")
     assert "records eval_gap_closed -0.500; NOT used" in floors[0]
+    # a served figure (bench --record) is read first, where it was served as these engines serve
+    mapper.info["metrics"].update(
+        served_gap_closed_tail_low=0.4, served_swaps_tail=24, served_trace="a trace",
+        served_gap_closed_low=-0.3, served_tail=48, served_page_size=16, served_sinks="native",
+    )  # fmt: skip
+    served = mapper.save_pretrained(tmp_path / "served")
+    floors, _ = printed(served, "--quality-floor", "0.3")
+    assert (
+        "records served_gap_closed_tail_low 0.400 (the low end of its interval over 24"
+        in (floors[0])
+    )
+    assert "bench --record` on a trace); used: above the quality floor 0.3" in floors[0]
+    floors, _ = printed(served, "--tail-pages", "0")
+    assert "records served_gap_closed_low -0.300" in floors[0] and "NOT used" in floors[0]
+    for other in (["--tail-pages", "2"], ["--page-size", "32"], ["--sinks", "translate"]):
+        floors, _ = printed(served, "--quality-floor", "0.3", *other)
+        assert "records eval_gap_closed_tail 0.250" in floors[0] and "NOT used" in floors[0]
     result = succeed([*args, "--page-size", "16", "--prefetch-threshold", "32"])
     for command in commands_of(result.output):
         flags = launch_flags(shlex.split(command))

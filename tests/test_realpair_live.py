@@ -65,11 +65,13 @@ def stored_pages(store, served_name: str, tokens: list[int]) -> int:
 
 
 def test_the_1_5b_server_continues_from_the_0_5b_servers_pages_translated(folders, pack, tmp_path):
-    """A 700-token prompt of held-out text served by the 0.5B server, then the history plus 60
-    tokens sent to the 1.5B server: SGLang reports the 0.5B's stored pages less the tail pages
-    (sglang-args' ``--tail-pages``) as storage hits, and the pages the 1.5B received (read back
-    through the store) are the pack's translation of the 0.5B's stored pages at their recorded
-    positions."""
+    """Servers launched with sglang-args' defaults. The 1.5B server first serves the prompt's
+    first page (as ``sgl-kvmap warm`` serves a shared opening: by default an engine computes a
+    prefix's first page itself). A 700-token prompt of held-out text served by the 0.5B server,
+    then the history plus 60 tokens sent to the 1.5B server: SGLang reports that first page as
+    a device hit and the 0.5B's stored pages after it, less the tail pages (sglang-args'
+    ``--tail-pages``), as storage hits, and the pages the 1.5B received (read back through the
+    store) are the pack's translation of the 0.5B's stored pages at their recorded positions."""
     from transformers import AutoTokenizer
 
     from sgl_kvmap.sglang.client import LiveClient
@@ -97,6 +99,7 @@ def test_the_1_5b_server_continues_from_the_0_5b_servers_pages_translated(folder
                                         START_TIMEOUT_S))  # fmt: skip
         urls = dict(zip(NAMES, (server.url for server in servers)))
         with LiveClient(urls, timeout=600) as client:
+            client.generate(NAMES[1], window[: PAGE + 1], 1)
             first = client.generate(NAMES[0], window[:PROMPT], ANSWER)
             history = [*window[:PROMPT], *first.output_ids]
             pages = (len(history) - 1) // PAGE
@@ -108,7 +111,8 @@ def test_the_1_5b_server_continues_from_the_0_5b_servers_pages_translated(folder
             swapped = client.generate(NAMES[1], second, ANSWER)
     finally:
         stop_servers(servers, grace=30)
-    translated = pages - StorageSettings.tail_pages  # the tail pages are the 1.5B's own
-    assert swapped.cached == {"device": 0, "host": 0, "storage": translated * PAGE}
+    translated = pages - 1 - StorageSettings.tail_pages  # the first and tail pages: its own
+    assert swapped.cached == {"device": PAGE, "host": 0, "storage": translated * PAGE}
     assert len(swapped.output_ids) > 0
-    assert_translated(store, NAMES[0], NAMES[1], page_hashes(second)[:translated], pack)
+    keys = page_hashes(second)[1 : 1 + translated]
+    assert_translated(store, NAMES[0], NAMES[1], keys, pack)

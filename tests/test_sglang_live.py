@@ -83,7 +83,8 @@ ENVIRONMENT = {
 class Deployment:
     """The printed command lines of one ``sglang-args`` call and the servers running them.
     ``store``: the file store's folder (its counters' folder with ``store_args``, sglang-args'
-    options of another store); ``env``: the variables added to each printed line."""
+    options of another store); ``env``: the variables added to each printed line; ``sinks``:
+    sglang-args' ``--sinks`` (None: its default)."""
 
     def __init__(
         self,
@@ -94,6 +95,7 @@ class Deployment:
         store,
         store_args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
+        sinks: str | None = None,
     ):
         self.folder, self.store = folder, Path(store)
         self.store.mkdir(parents=True, exist_ok=True)
@@ -107,6 +109,7 @@ class Deployment:
         args += ["--audit-translations", "--quality-floor", "none"]  # tiny packs: no eval
         # what is translated, not when: a loaded 2-core machine missed the measured deadline
         args += ["--prefetch-policy", "wait_complete"]
+        args += ["--sinks", sinks] if sinks else []
         self.lines = sglang_args_lines(
             [*args, "--port", str(port)], program=sgl_kvmap_program(), env=self.env
         )
@@ -156,10 +159,19 @@ def sgl_kvmap_program() -> str:
 
 @pytest.fixture(scope="module")
 def live(served_pair, tmp_path_factory):
-    """The translating pair: both packs, one store; servers started on first use."""
+    """The translating pair: both packs, one store; servers started on first use. Engines
+    that may translate a prefix's first page (``--sinks translate``): a swap into a fresh
+    engine translates from page 0, and the scenarios below check that page's translation too.
+    The default, an engine computing its first page itself, is checked on servers of its own
+    (``test_a_warmed_opening_stays_the_engines_own_...``)."""
     folder = tmp_path_factory.mktemp("live")
     deployment = Deployment(
-        folder, served_pair, [(0, 1), (1, 0)], free_port_base(2), folder / "store"
+        folder,
+        served_pair,
+        [(0, 1), (1, 0)],
+        free_port_base(2),
+        folder / "store",
+        sinks="translate",
     )
     yield deployment
     deployment.stop(*list(deployment.servers))
@@ -427,35 +439,51 @@ def test_concurrent_sessions_on_both_servers(live):
         assert len(generation.output_ids) > 0
 
 
-def test_a_warmed_opening_stays_the_engines_own_and_only_what_follows_is_translated(live):
-    """``sgl-kvmap warm`` (its command line, run as an operator runs it once the servers are
-    healthy) serves a shared opening of a page and a bit on both servers. A session that
-    begins with it, served by A and then swapped to B: B reports the opening's page as a
-    device hit (its own KV, computed when warmed) and only A's pages after them, less the tail,
-    as storage hits (translated)."""
+def test_a_warmed_opening_stays_the_engines_own_and_only_what_follows_is_translated(
+    served_pair, tmp_path
+):
+    """Servers launched with sglang-args' defaults: ``sgl-kvmap warm`` (its command line, run
+    as an operator runs it once the servers are healthy) serves a shared opening of six pages
+    and a bit on A and then on B. B computes the opening itself although A stored it first
+    (under ``--sinks translate`` it would translate A's first pages, less the tail): the copy
+    of the opening B stores is its own, page for page. A session that begins with the opening,
+    served by A and then swapped to B: B reports the opening's pages as device hits and only
+    A's pages after them, less the tail, as storage hits (translated)."""
     from click.testing import CliRunner
 
     from sgl_kvmap.cli import main
 
-    opening = prompt(300, PAGE + 10)
-    opening_file = live.folder / "opening.json"
-    opening_file.write_text(json.dumps(opening))
-    urls = [live.server(m).url for m in "ab"]
-    result = CliRunner().invoke(main, ["warm", *urls, "--opening-ids", str(opening_file)])
-    assert result.exit_code == 0, result.output
-    for url in urls:
-        assert f"{url}: served the opening ({len(opening)} tokens); {PAGE} of them" in (
-            result.output
-        )
-    with live.client("a", "b") as client:
-        history = first_turn(client, live, "a", [*opening, *prompt(301, 330)])
-        second = [*history, *prompt(302, 60)]
-        generation = client.generate("b", second, ANSWER)
-    stored = min(leading(page_files(live.store, "a", second)), (len(second) - 1) // PAGE)
-    translated_pages = stored - 1 - live.extra_config("b")["tail_pages"]
-    assert translated_pages * PAGE >= THRESHOLD
-    assert generation.cached == {"device": PAGE, "host": 0, "storage": translated_pages * PAGE}
-    assert len(generation.output_ids) > 0
+    live = Deployment(
+        tmp_path, served_pair, [(0, 1), (1, 0)], free_port_base(2), tmp_path / "store"
+    )
+    try:
+        tail = live.extra_config("b")["tail_pages"]
+        assert live.extra_config("b")["sinks"] == "native"
+        opening = prompt(300, (tail + 3) * PAGE + 10)
+        opening_file = live.folder / "opening.json"
+        opening_file.write_text(json.dumps(opening))
+        held = len(opening) // PAGE * PAGE
+        for model in "ab":  # B once A's copy of the opening is in the store
+            url = live.server(model).url
+            result = CliRunner().invoke(main, ["warm", url, "--opening-ids", str(opening_file)])
+            assert result.exit_code == 0, result.output
+            assert f"{url}: served the opening ({len(opening)} tokens); {held} of them" in (
+                result.output
+            )
+            wait_stored(live, model, opening, held // PAGE)
+        for key in page_hashes(opening):
+            assert not (live.store / f"{key}.translated_{NAMES['b']}_0_1.bin").exists()
+        with live.client("a", "b") as client:
+            history = first_turn(client, live, "a", [*opening, *prompt(301, 330)])
+            second = [*history, *prompt(302, 60)]
+            generation = client.generate("b", second, ANSWER)
+        stored = min(leading(page_files(live.store, "a", second)), (len(second) - 1) // PAGE)
+        translated_pages = stored - len(opening) // PAGE - tail
+        assert translated_pages * PAGE >= THRESHOLD
+        assert generation.cached == {"device": held, "host": 0, "storage": translated_pages * PAGE}
+        assert len(generation.output_ids) > 0
+    finally:
+        live.stop("a", "b")
 
 
 def test_a_restarted_b_never_serves_translated_pages_as_its_own(live, swapped_session):

@@ -50,7 +50,9 @@ MOONCAKE_ENVIRONMENT = {**ENVIRONMENT, "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1"}
 
 
 class MooncakeDeployment(Deployment):
-    """``Deployment`` over ``master``: the store is read through a third client."""
+    """``Deployment`` over ``master``: the store is read through a third client. Its engines
+    may translate a prefix's first page (``--sinks translate``), as the file store's scenarios
+    check them."""
 
     def __init__(self, folder, pair, master: Master):
         store_args = ("--store", "mooncake", "--mooncake-master", master.address)
@@ -63,6 +65,7 @@ class MooncakeDeployment(Deployment):
             folder / "counters",
             store_args=store_args,
             env=MOONCAKE_ENVIRONMENT,
+            sinks="translate",
         )
         from .test_sglang_mooncake import remover
 

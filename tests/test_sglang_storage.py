@@ -60,6 +60,9 @@ class Cluster:
         peer = PeerSettings(names[other], str(pack or self.deployment["packs"][other, i]))
         settings.setdefault("interface_v1", True)
         settings.setdefault("tail_pages", 0)  # every stored page translated, unless a test asks
+        # a fresh engine translates from page 0, so the scenarios check that page's translation
+        # too; the default, native, has tests of its own
+        settings.setdefault("sinks", "translate")
         settings.setdefault("quality_floor", None)  # the tiny packs record no measured gap
         ours = StorageSettings(translate=translate, peers=(peer,), **settings)
         return sglang_extra_config(ours, str(self.store))
@@ -280,6 +283,10 @@ def pack_recording(folder, tmp_path, **metrics):
     return mapper.save_pretrained(tmp_path / "recorded", overwrite=True)
 
 
+# how the cluster's engines serve: what a served figure must have been measured under
+SERVED = {"served_tail": PAGE, "served_page_size": PAGE, "served_sinks": "translate"}
+
+
 @pytest.mark.parametrize(
     "tail_pages, metrics, floor, translates",
     [
@@ -291,8 +298,15 @@ def pack_recording(folder, tmp_path, **metrics):
         (1, {"eval_gap_closed": -0.3, "eval_gap_closed_tail": 0.1}, 0.0, True),
         (0, {}, 0.0, False),  # nothing measured: cannot be shown to clear the floor
         (0, {"eval_gap_closed": -0.9}, None, True),  # no floor
+        # served figures (bench --record) come first where served as this engine serves
+        (1, {"eval_gap_closed_tail": -0.1, **SERVED, "served_gap_closed_tail_low": 0.2}, 0, True),
+        (0, {"eval_gap_closed": 0.3, **SERVED, "served_gap_closed_low": -0.1}, 0.0, False),
+        (1, {"eval_gap_closed_tail": -0.1, **SERVED, "served_gap_closed_tail_low": 0.2,
+             "served_tail": 2 * PAGE}, 0.0, False),  # served with another tail
+        (1, {"eval_gap_closed_tail": -0.1, **SERVED, "served_gap_closed_tail_low": 0.2,
+             "served_sinks": "native"}, 0.0, False),  # served under another sinks policy
     ],
-)
+)  # fmt: skip
 def test_a_pack_translates_only_above_the_quality_floor(
     cluster, deployment, tmp_path, tail_pages, metrics, floor, translates
 ):
@@ -322,15 +336,41 @@ def test_the_default_floor_is_better_than_staying_on_the_source():
 
 
 def test_native_sinks_translate_after_a_first_page_of_its_own(cluster):
-    """``"sinks": "native"``: the first page must be the engine's own; after it, translation."""
+    """``"sinks": "native"`` (the default): the first page must be the engine's own; after it,
+    translation."""
+    assert StorageSettings().sinks == "native"
     prompt = tokens(4 * PAGE + 3, seed=21)
-    a, b = cluster.engine(0, translate=False), cluster.engine(1, sinks="native")
+    a, b = cluster.engine(0, translate=False), cluster.engine(1, sinks=StorageSettings.sinks)
     b.serve(prompt[: PAGE + 1])
     sent = a.serve(prompt)
     served = b.serve(prompt)
     assert served.reused == 4 * PAGE and b.storage.counters["translated_pages_delivered"] == 3
     assert_translation_at_true_positions(
         b, served, a.pool_kv(sent.slots), cluster.mapper(0, 1), PAGE, 4 * PAGE
+    )
+
+
+def test_an_opening_a_peer_stored_is_computed_by_the_engine_that_serves_it(cluster):
+    """Under the default sinks policy, an engine serving an opening of several pages that its
+    peer already stored (``sgl-kvmap warm`` on the second server) computes it itself: no page is
+    translated, its pool holds its own KV for the opening, and a session after the opening,
+    swapped from the peer, is translated only after it."""
+    opening = tokens(4 * PAGE, seed=26)
+    session = [*opening, *tokens(3 * PAGE + 5, seed=27)]
+    a, b = cluster.engine(0), cluster.engine(1, sinks=StorageSettings.sinks)
+    a.serve([*opening, 1])
+    warmed = b.serve([*opening, 1])
+    assert warmed.reused == 0 and b.storage.counters["translated_pages_delivered"] == 0
+    assert b.storage.counters["fallback.no_native_sink_page"] >= 1
+    exact = run(b.model.model, torch.tensor(opening)).cache
+    got = b.pool_kv(warmed.slots[: len(opening)])
+    for g, e in zip(got.keys + got.values, exact.keys + exact.values):
+        torch.testing.assert_close(g.float(), e, rtol=0.02, atol=0.02)
+    sent = a.serve(session)
+    served = b.serve(session)
+    assert served.tiers.device == len(opening) and served.tiers.translated == 3 * PAGE
+    assert_translation_at_true_positions(
+        b, served, a.pool_kv(sent.slots), cluster.mapper(0, 1), len(opening), 7 * PAGE
     )
 
 
@@ -569,7 +609,12 @@ def test_tensor_parallel_ranks_translate_their_own_heads(
     off = sglang_extra_config(StorageSettings(interface_v1=True), store)
     peer = PeerSettings(names[0], pack, tp_size=source_tp)
     translating = StorageSettings(
-        translate=True, interface_v1=True, peers=(peer,), tail_pages=0, quality_floor=None
+        translate=True,
+        interface_v1=True,
+        peers=(peer,),
+        tail_pages=0,
+        quality_floor=None,
+        sinks="translate",
     )
     on = sglang_extra_config(translating, store)
     prompt = tokens(4 * PAGE + 3, seed=30)

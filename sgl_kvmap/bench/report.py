@@ -219,6 +219,45 @@ def continuation_stats(swapped: list[RequestRecord]) -> dict:
     }
 
 
+# the translating modes whose served figures ``sgl-kvmap bench --record`` writes into a pack,
+# by the suffix of their keys (``sglang.settings``' SERVED_GAP_CLOSED_TAIL and SERVED_GAP_CLOSED)
+RECORDED_MODES = {"tail": "_tail", "translated": ""}
+
+
+def served_record(records: list[RequestRecord], served_model: str) -> dict[str, float | int]:
+    """The figures ``sgl-kvmap bench --record`` writes into the pack of the swaps that
+    ``served_model`` served: for each translating mode (``RECORDED_MODES``), pooled over the
+    swaps of every policy that translated any token, their number (``served_swaps``), the
+    retention and gap closed on the true continuation and the low end of the gap-closed
+    interval (``served_gap_closed_low``: what the engines' quality floor reads), each key
+    suffixed by the mode's suffix. Figures that do not apply (no such swap, no gap to close)
+    are left out."""
+    out: dict[str, float | int] = {}
+    for mode, suffix in RECORDED_MODES.items():
+        swaps = [
+            r
+            for r in records
+            if r.mode == mode and r.swapped and r.model == served_model and r.reused["translated"]
+        ]
+        stats = continuation_stats(swaps)
+        if not stats["continuation_requests"]:
+            continue
+        figures = {
+            "swaps": stats["continuation_requests"],
+            "retention": stats["retention"],
+            "gap_closed": stats["gap_closed"],
+            "gap_closed_low": stats["gap_closed_ci"][0] if stats["gap_closed_ci"] else None,
+        }
+        out.update(
+            {
+                f"served_{name}{suffix}": value
+                for name, value in figures.items()
+                if value is not None
+            }
+        )
+    return out
+
+
 def _means(scores: np.ndarray) -> dict[str, float]:
     return {name: float(scores[:, i].mean()) for i, name in enumerate(CONTINUATION_CONDITIONS)}
 

@@ -20,7 +20,7 @@ from ..core.errors import KVMapError, PackError
 from ..core.files import replacing_folder, writable_place
 from ..fitting.config import CalibrationConfig, PackRecipe
 from ..sglang.launch import PREFETCH_THRESHOLD, PrefetchDeadline
-from ..sglang.settings import INNER_BACKENDS
+from ..sglang.settings import INNER_BACKENDS, StorageSettings
 from .records import MODES, REFERENCE_MODE, RequestRecord
 from .replay import MODE_SETTINGS, Deployment, ReplayPlan, replay
 from .routing import DEFAULT_ROUTER_TOKENS, parse_policy, swapped
@@ -62,7 +62,8 @@ class BenchConfig:
     translation does with any pack, where ``sglang-args`` would keep a pack below its floor
     unused); tail_pages: the pages the ``tail`` mode recomputes; warm_opening: every engine
     serves the slice's shared opening (``workload.shared_opening``) before the replay, so a
-    swap's first pages are its own; store: the store the engines share, a fresh one for each
+    swap's first pages are its own; sinks: whether the engines may translate a prefix's first
+    page (``StorageSettings.sinks``); store: the store the engines share, a fresh one for each
     replay (``replay.fresh_store``: ``file``, or ``mooncake``, a local master)."""
 
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
@@ -76,11 +77,13 @@ class BenchConfig:
     quality_floor: float | None = None
     tail_pages: int = MODE_SETTINGS["tail"]["tail_pages"]
     warm_opening: bool = True
+    sinks: str = StorageSettings.sinks
     store: str = "file"
 
     def __post_init__(self) -> None:
         for name in self.policies:
             parse_policy(name)
+        StorageSettings(sinks=self.sinks)  # its checks
         if self.store not in INNER_BACKENDS:
             raise KVMapError(
                 f"unknown store {self.store!r}; stores are {', '.join(INNER_BACKENDS)}"
@@ -136,7 +139,7 @@ def run_bench(
                 page_size=config.workload.page_size,
                 deadline=config.deadline,
                 prefetch_threshold=config.prefetch_threshold,
-                overrides={"quality_floor": config.quality_floor, **tail},
+                overrides={"quality_floor": config.quality_floor, "sinks": config.sinks, **tail},
                 opening=opening,
                 on_request=on_request,
                 store=config.store,
@@ -191,6 +194,43 @@ def save_run(records: list[RequestRecord], run_header: dict, out: Path) -> Path:
         (folder / RUN_FILE).write_text(json.dumps(run_header, indent=2) + "\n")
         write_report(records, run_header, folder)
     return out / "summary.md"
+
+
+def record_in_packs(
+    records: list[RequestRecord], config: BenchConfig, packs: dict, run_header: dict
+) -> list[str]:
+    """Write into each pack of ``packs`` ((sender, receiver) -> folder) the figures of the swaps
+    it translated (``report.served_record``), with how they were served (page size, sinks
+    policy, the tail mode's tail in tokens) and on what (the run's trace and command), in
+    place of any served figures it recorded before: what the engines' quality floor reads
+    (``StorageSettings.recorded_gap_closed``). Returns a line per pack saying what it did."""
+    from ..core.mapper import KVMapper
+    from ..sglang.settings import SERVED_PAGE_SIZE, SERVED_SINKS, SERVED_TAIL
+    from .report import served_record
+
+    lines = []
+    for (_, receiver), pack in packs.items():
+        figures = served_record(records, receiver)
+        if not figures:
+            lines.append(f"{pack}: no swap into {receiver} translated anything; nothing recorded")
+            continue
+        mapper = KVMapper.from_pretrained(pack)
+        metrics = mapper.info.get("metrics", {})
+        metrics = {key: value for key, value in metrics.items() if not key.startswith("served_")}
+        metrics.update(figures)
+        metrics[SERVED_PAGE_SIZE] = config.workload.page_size
+        metrics[SERVED_SINKS] = config.sinks
+        if "served_swaps_tail" in figures:
+            metrics[SERVED_TAIL] = config.tail_pages * config.workload.page_size
+        metrics["served_trace"] = (
+            f"{run_header['trace']}, {run_header['requests']} requests, scale {run_header['scale']}"
+        )
+        metrics["served_command"] = run_header["command"]
+        mapper.info["metrics"] = metrics
+        mapper.save_pretrained(pack, overwrite=True)
+        recorded = ", ".join(f"{key} {value:.3g}" for key, value in figures.items())
+        lines.append(f"recorded in {pack}: {recorded}")
+    return lines
 
 
 def check_out(out: Path) -> None:

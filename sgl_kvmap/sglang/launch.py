@@ -26,7 +26,6 @@ from .settings import (
     PeerSettings,
     StorageSettings,
     prefetch_threshold_keys,
-    recorded_gap_closed,
 )
 
 PREFETCH_POLICIES = ("timeout", "wait_complete", "best_effort")
@@ -111,7 +110,8 @@ class LaunchOptions:
     keeps its counters in ``stats_path`` (a folder beside the store's pages). ``quality_floor``:
     the gap closed a pack must record for an engine to use it (``StorageSettings``).
     ``prefetch_threshold``: the tokens a stored run needs before an engine fetches it (None:
-    SGLang's own, 256; SGLang raises it to one page at least)."""
+    SGLang's own, 256; SGLang raises it to one page at least). ``sinks``: whether an engine
+    may translate a prefix's first page (``StorageSettings.sinks``)."""
 
     store: str = StorageSettings.inner_backend
     store_path: str = STORE_PATH
@@ -125,9 +125,10 @@ class LaunchOptions:
     mooncake_master: str = ""
     mooncake_metadata: str = ""
     prefetch_threshold: int | None = PREFETCH_THRESHOLD
+    sinks: str = StorageSettings.sinks
 
     def __post_init__(self) -> None:
-        StorageSettings(quality_floor=self.quality_floor)  # its checks
+        StorageSettings(quality_floor=self.quality_floor, sinks=self.sinks)  # their checks
         if self.prefetch_threshold is not None and self.prefetch_threshold < 1:
             raise KVMapError(f"prefetch threshold {self.prefetch_threshold} < 1 token")
         if (self.store == "mooncake") != bool(self.mooncake_master):
@@ -287,19 +288,27 @@ def floor_lines(
     engines' mode (with the tail it was measured with, beside the engines' own) and whether it
     clears ``options.quality_floor`` (a pack that does not is not used: its swaps are
     prefilled)."""
-    settings = StorageSettings(tail_pages=options.tail_pages, quality_floor=options.quality_floor)
+    settings = StorageSettings(
+        tail_pages=options.tail_pages, quality_floor=options.quality_floor, sinks=options.sinks
+    )
     lines = []
     for target, peers in peers_by_engine.items():
         for peer in peers:
             metrics = read_config(Path(peer.pack)).get("metrics", {})
-            key, gap = recorded_gap_closed(metrics, options.tail_pages)
+            key, gap = settings.recorded_gap_closed(metrics, options.page_size)
             measured = f"records {key} {gap:.3f}" if gap is not None else f"records no {key}"
-            if gap is not None and options.tail_pages and type(metrics.get("eval_tail")) is int:
+            if gap is not None and key.startswith("served_"):
+                swaps = metrics.get("served_swaps_tail" if options.tail_pages else "served_swaps")
+                measured += (
+                    f" (the low end of its interval over {swaps} swaps served as these engines "
+                    f"serve, `sgl-kvmap bench --record` on {metrics.get('served_trace')})"
+                )
+            elif gap is not None and options.tail_pages and type(metrics.get("eval_tail")) is int:
                 measured += (
                     f" (measured with a {metrics['eval_tail']}-token tail on the library's "
                     f"windows; these engines recompute {options.tail_pages * options.page_size})"
                 )
-            refusal = settings.floor_refusal(metrics)
+            refusal = settings.floor_refusal(metrics, options.page_size)
             if options.quality_floor is None:
                 verdict = "used (no quality floor)"
             elif refusal:
@@ -335,6 +344,7 @@ def _command(engine, peers, options: LaunchOptions, deadline) -> list[str]:
     settings = StorageSettings(
         inner_backend=options.store,
         translate=bool(peers),
+        sinks=options.sinks,
         tail_pages=options.tail_pages,
         concurrent_translations=options.concurrent_translations,
         interface_v1=True,

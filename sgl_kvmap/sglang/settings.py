@@ -29,6 +29,10 @@ MAX_CONCURRENT_TRANSLATIONS = 64
 # The gap closed a pack records (``EvalReport.summary()``, written by ``sgl-kvmap eval --record``
 # and the demo): with the target's tail recomputed, and translating every token.
 GAP_CLOSED_TAIL, GAP_CLOSED = "eval_gap_closed_tail", "eval_gap_closed"
+# The same, measured on served swaps (``sgl-kvmap bench --record``): the low end of the gap
+# closed interval, with the tail, page size and sinks policy the engines served them with.
+SERVED_GAP_CLOSED_TAIL, SERVED_GAP_CLOSED = "served_gap_closed_tail_low", "served_gap_closed_low"
+SERVED_TAIL, SERVED_PAGE_SIZE, SERVED_SINKS = "served_tail", "served_page_size", "served_sinks"
 DEFAULT_QUALITY_FLOOR = 0.0  # better than staying on the source model
 
 
@@ -75,13 +79,16 @@ class StorageSettings:
     """inner_backend: the built-in store for this engine's own pages and its peers' ("file" on
     one host, "mooncake" across hosts: SGLang's keys for it, such as master_server_address,
     pass through). translate: serve translated pages at all (off: a transparent wrapper that
-    still records its pages for others). sinks: "translate" also translates a prefix's first
-    page when this engine has no copy of its own (a swap into a fresh engine), "native" only
-    translates after a first page of its own. tail_pages: the last pages of a translatable run
-    that this engine computes itself instead (the hand-off's recomputed tail; 0 translates
-    every page a peer stored). concurrent_translations: swaps translated at once (each on a
-    worker thread of its own; a swap arriving while all are busy is prefilled, counted); the
-    prefetch deadline ``sglang-args`` sets covers this many at once.
+    still records its pages for others). sinks: "native" (the default) translates only after
+    a first page this engine holds as its own, so a prefix's first page, its attention sinks,
+    is always computed here (and a shared opening served on this engine, ``sgl-kvmap warm``,
+    stays its own KV); "translate" also translates a prefix's first page when this engine has
+    no copy of its own (a swap into a fresh engine then translates from page 0, and every
+    later request sharing those pages reads them translated). tail_pages: the last pages of a
+    translatable run that this engine computes itself instead (the hand-off's recomputed tail;
+    0 translates every page a peer stored). concurrent_translations: swaps translated at once
+    (each on a worker thread of its own; a swap arriving while all are busy is prefilled,
+    counted); the prefetch deadline ``sglang-args`` sets covers this many at once.
     quality_floor: the gap closed (``sgl-kvmap eval``: (translated - source) / (target -
     source) in top-1 accuracy) a peer's pack must record above which this engine translates its
     pages; a pack at or below it, or that records none, is not used (counted
@@ -97,7 +104,9 @@ class StorageSettings:
 
     inner_backend: str = "file"
     translate: bool = False
-    sinks: str = "translate"
+    # a translated first page is reused by every later request sharing it (docs/LOG.md, "a
+    # warm opening that was translated")
+    sinks: str = "native"
     # 48 tokens at sglang-args' 16-token pages (docs/LOG.md, "the tail at 16-token pages")
     tail_pages: int = 3
     concurrent_translations: int = 2
@@ -133,17 +142,18 @@ class StorageSettings:
                 f"quality_floor must be a number from -1 to 1 (a gap closed) or null, got {floor!r}"
             )
 
-    def floor_refusal(self, metrics: dict[str, Any]) -> str | None:
-        """Why a pack whose recorded ``metrics`` are these may not be used here (None: it may):
-        its gap closed (``recorded_gap_closed``) must be above ``quality_floor``."""
+    def floor_refusal(self, metrics: dict[str, Any], page_size: int) -> str | None:
+        """Why a pack whose recorded ``metrics`` are these may not be used by an engine of
+        ``page_size``-token pages (None: it may): its gap closed (``recorded_gap_closed``)
+        must be above ``quality_floor``."""
         if self.quality_floor is None:
             return None
-        key, gap = recorded_gap_closed(metrics, self.tail_pages)
+        key, gap = self.recorded_gap_closed(metrics, page_size)
         if gap is None:
             return (
                 f"the pack records no measured {key}, so it cannot be shown to clear the quality "
-                f"floor {self.quality_floor:g}: run `sgl-kvmap eval PACK --record` or serve with "
-                "quality_floor null"
+                f"floor {self.quality_floor:g}: run `sgl-kvmap eval PACK --record` (or `sgl-kvmap "
+                "bench --record` on your traffic) or serve with quality_floor null"
             )
         if gap <= self.quality_floor:
             return (
@@ -151,6 +161,27 @@ class StorageSettings:
                 f"{self.quality_floor:g} (0: staying on the source model does as well)"
             )
         return None
+
+    def recorded_gap_closed(
+        self, metrics: dict[str, Any], page_size: int
+    ) -> tuple[str, float | None]:
+        """The gap closed a pack's ``metrics`` record for an engine of these settings and
+        ``page_size``-token pages, by its key (None when absent or not a finite number): the
+        served figure (``sgl-kvmap bench --record``) when it was measured on engines that
+        served as this one does (the same tail in tokens, page size and sinks policy), else
+        the library's (``sgl-kvmap eval --record``): the tail's figure when this engine
+        recomputes a tail, else the whole translation's."""
+        metrics = metrics if isinstance(metrics, dict) else {}
+        library = GAP_CLOSED_TAIL if self.tail_pages else GAP_CLOSED
+        served = SERVED_GAP_CLOSED_TAIL if self.tail_pages else SERVED_GAP_CLOSED
+        served_here = (
+            metrics.get(SERVED_PAGE_SIZE) == page_size
+            and metrics.get(SERVED_SINKS) == self.sinks
+            and (not self.tail_pages or metrics.get(SERVED_TAIL) == self.tail_pages * page_size)
+        )
+        if served_here and _finite(metrics.get(served)) is not None:
+            return served, _finite(metrics[served])
+        return library, _finite(metrics.get(library))
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> StorageSettings:
@@ -182,14 +213,8 @@ def prefetch_threshold_keys(tokens: int | None) -> dict[str, int]:
     return {} if tokens is None else {"prefetch_threshold": tokens}
 
 
-def recorded_gap_closed(metrics: dict[str, Any], tail_pages: int) -> tuple[str, float | None]:
-    """The gap closed a pack's ``metrics`` record for an engine that recomputes ``tail_pages``
-    (the tail's figure when it recomputes any, else the whole translation's), by its key; None
-    when absent or not a finite number."""
-    key = GAP_CLOSED_TAIL if tail_pages else GAP_CLOSED
-    gap = metrics.get(key) if isinstance(metrics, dict) else None
-    finite = type(gap) in (int, float) and math.isfinite(gap)
-    return key, float(gap) if finite else None
+def _finite(value: Any) -> float | None:
+    return float(value) if type(value) in (int, float) and math.isfinite(value) else None
 
 
 _TYPES = {"str": str, "bool": bool, "int": int}

@@ -22,6 +22,9 @@ Rules (docs/sglang.md):
   holds is ever stored as this model's page: translated KV is never served as exact KV, nor
   becomes the source of a further translation. A write without prefix keys (PD decode-side
   offload) cannot be checked and stores nothing.
+- Sinks: by default a prefix's first page is never translated (``StorageSettings.sinks``): the
+  engine computes it, so a translated opening never becomes the device KV every later
+  request reads.
 - Quality floor: a peer's pack is used only when the gap closed it records is above the
   operator's floor (``StorageSettings.quality_floor``; by default, better than staying on the
   source model); otherwise none of that peer's pages is translated (``pack_below_floor``).
@@ -326,7 +329,8 @@ class KVMapStorage(HiCacheStorage):
             peer = spec_from_pretrained(settings.model_path)
             _check_tokenizers(mapper, peer, own)
             check_models(mapper, peer, own)
-            below = self.settings.floor_refusal(mapper.info.get("metrics", {}))
+            metrics = mapper.info.get("metrics", {})
+            below = self.settings.floor_refusal(metrics, self.page.page_size)
             if below:
                 return self._fallback("pack_below_floor", f"peer {settings.model_name}: {below}")
             mapper = self._this_ranks_mapper(mapper)

@@ -2,12 +2,13 @@
 
 A swap translates the pages the receiving engine lacks from the first one it lacks on, and
 once loaded they are device pages of its radix tree: every later request sharing that prefix
-reuses them, whoever computed them (SGLang matches a prefix by its tokens). On a fresh engine
-whose first request is a swap, the opening every session shares (a system prompt, the chat
-template's first turn) is translated and then read by every request after it. An engine that
-has served the opening itself holds it as its own KV: a swap then translates only the
-session's pages after it, and requests that share only the opening read exact KV. Warm each
-engine once it is healthy, and again after it restarts.
+reuses them, whoever computed them (SGLang matches a prefix by its tokens). Under the default
+sinks policy (``StorageSettings.sinks``) an engine never translates a prefix's first page, so
+it computes the opening every session shares (a system prompt, the chat template's first turn)
+itself, even when a peer has stored it; a swap whose opening the engine has never served is
+prefilled. Warming serves the opening on each engine once, so that from the first swap on a
+swap translates only the session's pages after it and requests that share only the opening
+read exact KV. Warm each engine once it is healthy, and again after it restarts.
 """
 
 from __future__ import annotations
