@@ -308,17 +308,20 @@ def test_a_rerun_replaces_only_an_earlier_runs_own_files(tmp_path, monkeypatch):
 # ---- the true continuation, against the baselines
 
 
-def judged(policy, mode, request, served, reference, source, no_prefix=0.1):
-    """A swapped request judged on a 32-token continuation: (accuracy, nll) per condition."""
+def judged(policy, mode, request, served, reference, source, no_prefix=0.1, translated=0):
+    """A swapped request judged on a 32-token continuation: (accuracy, nll) per condition;
+    ``translated`` of its prompt tokens came translated (the rest computed)."""
     baselines = {
         "reference": Scores(*reference),
         "source": Scores(*source),
         "no_prefix": Scores(no_prefix, 5.0),
     }
     scored = Quality(1, 1.0, 1.0, 1.0, 32, Scores(*served), baselines)
+    computed = PROMPTS[request] - translated
     return record(
-        policy, mode, request, swapped=True, ttft=0.1, computed=PROMPTS[request], quality=scored
-    )
+        policy, mode, request, swapped=True, ttft=0.1, computed=computed, quality=scored,
+        translated=translated,
+    )  # fmt: skip
 
 
 # per request: served, reference, source as (accuracy, nll)
@@ -387,3 +390,36 @@ def test_scored_records_round_trip_through_json():
     records = scored_replay("p", "tail", BEATS)
     lines = [json.dumps(record.to_json()) for record in records]
     assert [RequestRecord.from_json(json.loads(line)) for line in lines] == records
+
+
+def test_the_served_record_pools_the_swaps_that_translated_per_mode_and_direction():
+    """``bench --record``'s figures: per translating mode, over the up swaps of every policy that
+    translated something (a swap that translated nothing says nothing of the pack), the pooled
+    retention and gap closed and the low end of the gap's interval, under the keys the engines'
+    quality floor reads; a down swap has no gap to close, so only its retention is recorded."""
+    from sgl_kvmap.bench.report import served_record
+    from sgl_kvmap.sglang import StorageSettings
+
+    tail = [
+        judged("a", "tail", 1 + 2 * (i % 2), *row, translated=16) for i, row in enumerate(BEATS)
+    ]
+    nothing = [judged("b", "tail", 3, *WORSE[0])]  # translated nothing: left out
+    translated = [judged("b", "translated", 1, *row, translated=16) for row in BEATS[:2]]
+    down = [judged("a", "tail", 2, (0.4, 2.0), (0.5, 1.8), (0.7, 1.2), translated=16)] * 2
+    up = served_record([*tail, *nothing, *translated, *down], "large")
+    pooled = summarize(tail)[0]["continuation"]["up"]
+    assert up["served_swaps_tail"] == 4 and up["served_swaps"] == 2
+    assert up["served_retention_tail"] == pytest.approx(pooled["retention"])
+    assert up["served_gap_closed_tail"] == pytest.approx(pooled["gap_closed"])
+    assert up["served_gap_closed_tail_low"] == pooled["gap_closed_ci"][0] > 0
+    assert "served_gap_closed_low" in up
+    metrics = {**up, "served_tail": 48, "served_page_size": 16, "served_sinks": "native"}
+    assert StorageSettings().recorded_gap_closed(metrics, 16) == (
+        "served_gap_closed_tail_low",
+        up["served_gap_closed_tail_low"],
+    )
+    assert served_record(down, "small") == {
+        "served_swaps_tail": 2,
+        "served_retention_tail": pytest.approx(0.8),
+    }
+    assert served_record(nothing, "large") == {}

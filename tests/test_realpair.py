@@ -162,7 +162,12 @@ def test_sglang_hands_a_real_prefix_from_the_0_5b_to_a_fresh_1_5b(fitted, pair, 
     off = sglang_extra_config(StorageSettings(interface_v1=True), store)
     on = sglang_extra_config(
         StorageSettings(  # the fitted pack records no measured gap closed: no quality floor
-            translate=True, interface_v1=True, peers=(peer,), tail_pages=0, quality_floor=None
+            translate=True,
+            interface_v1=True,
+            peers=(peer,),
+            tail_pages=0,
+            quality_floor=None,
+            sinks="translate",  # a fresh engine: its first page translated too
         ),
         store,
     )

@@ -51,7 +51,9 @@ def master(tmp_path):
 
 
 class Hosts:
-    """Engines of ``served_pair``'s "a" and "b" in processes of their own over ``master``."""
+    """Engines of ``served_pair``'s "a" and "b" in processes of their own over ``master``. They
+    may translate a prefix's first page (``sinks: translate``): the scenarios swap into fresh
+    engines, as tests/test_sglang_storage.py's do."""
 
     def __init__(self, deployment, master: Master, tmp_path):
         self.deployment, self.master, self.tmp, self.engines = deployment, master, tmp_path, []
@@ -66,6 +68,7 @@ class Hosts:
             interface_v1=True,
             tail_pages=0,
             quality_floor=None,
+            sinks="translate",
         )
         keys = self.master.extra(segment or SEGMENT)
         return sglang_extra_config(settings, "", store_keys=keys)
@@ -407,6 +410,7 @@ def test_tensor_parallel_ranks_translate_their_own_heads_over_mooncake(_two_head
             peers=(peer,),
             tail_pages=0,
             quality_floor=None,
+            sinks="translate",
         )
     )
     prompt = tokens(4 * PAGE + 3, seed=30)

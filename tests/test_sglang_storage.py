@@ -806,7 +806,12 @@ def test_the_transfer_uses_the_peer_whose_run_the_hit_query_promised(cluster, de
         PeerSettings("twin-of-a", packs[0, 1], model_path=names[0]),
     )
     ours = StorageSettings(
-        translate=True, interface_v1=True, peers=peers, tail_pages=0, quality_floor=None
+        translate=True,
+        interface_v1=True,
+        peers=peers,
+        tail_pages=0,
+        quality_floor=None,
+        sinks="translate",
     )
     b = Engine(deployment["models"][1], names[1], sglang_extra_config(ours, str(cluster.store)),
                **UNTIMED)  # fmt: skip

@@ -9,7 +9,7 @@ modelled (time to first token is the request's own prefetch, load-back and prefi
 
 Modes (how a swapped request's prefix is served; ``MODE_SETTINGS``): ``reprefill`` (HiCache with
 the store, no translation: the target recomputes what it never cached itself), ``translated``
-(the other model's pages translated, every page) and ``tail`` (translated, the last page of a
+(the other model's pages translated, every page) and ``tail`` (translated, the last pages of a
 translated run recomputed). The hand-off repair of the library (anchors recomputed by the target)
 has no place in SGLang's prefetch path, so it is not a mode here.
 

@@ -229,9 +229,9 @@ def served_record(records: list[RequestRecord], served_model: str) -> dict[str, 
     ``served_model`` served: for each translating mode (``RECORDED_MODES``), pooled over the
     swaps of every policy that translated any token, their number (``served_swaps``), the
     retention and gap closed on the true continuation and the low end of the gap-closed
-    interval (``served_gap_closed_low``: what the engines' quality floor reads), each key
-    suffixed by the mode's suffix. Figures that do not apply (no such swap, no gap to close)
-    are left out."""
+    interval (``served_gap_closed[_tail]_low``: what the engines' quality floor reads), the
+    mode's suffix after each figure's name. Figures that do not apply (no such swap, no gap
+    to close) are left out."""
     out: dict[str, float | int] = {}
     for mode, suffix in RECORDED_MODES.items():
         swaps = [
@@ -242,19 +242,14 @@ def served_record(records: list[RequestRecord], served_model: str) -> dict[str, 
         stats = continuation_stats(swaps)
         if not stats["continuation_requests"]:
             continue
+        interval = stats["gap_closed_ci"]
         figures = {
-            "swaps": stats["continuation_requests"],
-            "retention": stats["retention"],
-            "gap_closed": stats["gap_closed"],
-            "gap_closed_low": stats["gap_closed_ci"][0] if stats["gap_closed_ci"] else None,
+            f"served_swaps{suffix}": stats["continuation_requests"],
+            f"served_retention{suffix}": stats["retention"],
+            f"served_gap_closed{suffix}": stats["gap_closed"],
+            f"served_gap_closed{suffix}_low": interval[0] if interval else None,
         }
-        out.update(
-            {
-                f"served_{name}{suffix}": value
-                for name, value in figures.items()
-                if value is not None
-            }
-        )
+        out.update({key: value for key, value in figures.items() if value is not None})
     return out
 
 
