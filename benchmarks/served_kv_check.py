@@ -1,7 +1,7 @@
 """The default bench's alternate replay in the translated mode, each up swap that translated
 checked against the library (in-process engines, the registry's packs).
 
-    python benchmarks/served_kv_check.py [timeout|wait]
+    python benchmarks/served_kv_check.py [timeout|wait] [native|translate]
 
 Per request: its served score on the true continuation; the sending 0.5B engine's held KV for
 the translated tokens against a fresh float32 forward of the 0.5B (max abs difference, keys and
@@ -13,7 +13,8 @@ tokens before the translated ones with the map of the held KV after them; and ho
 pool's KV for those first tokens is from the 1.5B's own forward (a warm opening the engine
 translated instead of computing shows here: docs/LOG.md, 2026-12-07). ``wait``: SGLang's
 wait_complete policy instead of the timeout policy with the deadline measured on the
-reference machine.
+reference machine. ``translate``: the engines may translate a prefix's first page (the
+default before 2026-12-07), so the 1.5B engine translates the warm opening the 0.5B stored.
 """
 
 import sys
@@ -35,6 +36,7 @@ from sgl_kvmap.models.capture import run
 from sgl_kvmap.sglang.launch import PrefetchDeadline
 
 policy = sys.argv[1] if len(sys.argv) > 1 else "timeout"
+sinks = sys.argv[2] if len(sys.argv) > 2 else "native"
 names, packs = pair_and_packs()
 models = {role: load_model(path) for role, path in names.items()}
 deployment = Deployment(models, names, packs)
@@ -49,7 +51,10 @@ deadline = (
 opening = shared_opening(turns, config.workload.page_size)
 mapper = KVMapper.from_pretrained(packs["small", "large"])
 common = dict(
-    quality_tokens=8, deadline=deadline, overrides={"quality_floor": None}, opening=opening
+    quality_tokens=8,
+    deadline=deadline,
+    overrides={"quality_floor": None, "sinks": sinks},
+    opening=opening,
 )
 replay(deployment, replay_plan, "reprefill", **common)
 
