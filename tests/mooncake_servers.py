@@ -16,8 +16,10 @@ stdout (``EngineProcess.paused``).
 from __future__ import annotations
 
 import json
+import queue
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -45,7 +47,16 @@ class EngineProcess:
             stderr=self.log,
             text=True,
         )
+        # its stdout lines, read on a thread of their own so that a wait for an answer ends at
+        # its timeout even when the process never writes one (None: the process ended)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read_lines, daemon=True).start()
         self.started = self._answer(timeout=120)
+
+    def _read_lines(self) -> None:
+        for line in self.process.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
 
     def serve(self, tokens: list[int], kv_file: Path | None = None, timeout=120) -> dict:
         """Serve ``tokens``; the answer: reused, tiers, counters, seconds (from its arrival to its
@@ -70,8 +81,11 @@ class EngineProcess:
     def _answer(self, timeout: float, prefix: str = ANSWER) -> dict:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            line = self.process.stdout.readline()
-            if not line:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if line is None:
                 raise RuntimeError(f"engine process ended: see {self.log.name}")
             if line.startswith(prefix):
                 answer = json.loads(line[len(prefix) :])

@@ -203,7 +203,8 @@ def record_in_packs(
     it translated (``report.served_record``), with how they were served (page size, sinks
     policy, the tail mode's tail in tokens) and on what (the run's trace and command), in
     place of any served figures it recorded before: what the engines' quality floor reads
-    (``StorageSettings.recorded_gap_closed``). Returns a line per pack saying what it did."""
+    (``StorageSettings.recorded_gap_closed``). A pack none of whose swaps translated anything
+    is left as it was. Returns a line per pack saying what it did."""
     from ..core.mapper import KVMapper
     from ..sglang.settings import SERVED_PAGE_SIZE, SERVED_SINKS, SERVED_TAIL
     from .report import served_record
