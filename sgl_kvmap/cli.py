@@ -51,6 +51,7 @@ from .sglang.launch import (
     PrefetchDeadline,
 )
 from .sglang.settings import (
+    FIRST_LAYER_POLICIES,
     INNER_BACKENDS,
     MAX_CONCURRENT_TRANSLATIONS,
     SINK_POLICIES,
@@ -1183,6 +1184,14 @@ def demo(
     help="Whether the engines may translate a prefix's first page (sglang-args' --sinks).",
 )
 @click.option(
+    "--first-layer",
+    type=click.Choice(FIRST_LAYER_POLICIES),
+    default=StorageSettings.first_layer,
+    show_default=True,
+    help="Whether the engines serve the pack's map of layer 0 for translated tokens or their "
+    "own (sglang-args' --first-layer).",
+)
+@click.option(
     "--quality-floor",
     type=FloorType(),
     default=BENCH.quality_floor,
@@ -1262,6 +1271,7 @@ def bench(
     prefetch_threshold,
     warm_opening,
     sinks,
+    first_layer,
     quality_floor,
     store,
     live,
@@ -1318,6 +1328,7 @@ def bench(
         tail_pages=tail_pages,
         warm_opening=warm_opening,
         sinks=sinks,
+        first_layer=first_layer,
         prefetch_threshold=prefetch_threshold,
     )
     given = {
@@ -1409,6 +1420,7 @@ def _live_bench(names, packs, config, bar, device, port, store_path):
         quality_floor=config.quality_floor,
         prefetch_threshold=config.prefetch_threshold,
         sinks=config.sinks,
+        first_layer=config.first_layer,
     )
     logs = Path(store_path) / "logs"
     setup = LiveSetup(names, packs, options, port, config.deadline, logs, store=config.store)
@@ -1551,6 +1563,15 @@ def _has_gpu() -> bool:
     "translated.",
 )
 @click.option(
+    "--first-layer",
+    type=click.Choice(FIRST_LAYER_POLICIES),
+    default=StorageSettings.first_layer,
+    show_default=True,
+    help="'exact': an engine serves its own layer 0 for translated tokens, their ids read back "
+    "from the peer's stored layer-0 values (both models' weights must be on the engine's "
+    "host); 'mapped': the pack's map of layer 0.",
+)
+@click.option(
     "--audit-translations",
     is_flag=True,
     help="Also keep every page an engine receives translated in its store (key + "
@@ -1559,7 +1580,7 @@ def _has_gpu() -> bool:
 @click.pass_context
 def sglang_args(ctx, engines, packs, store, mooncake_master, mooncake_metadata, store_path,
                 page_size, port, tp_size, prefetch_policy, device, max_total_tokens, tail_pages,
-                concurrent_translations, prefetch_threshold, quality_floor, sinks,
+                concurrent_translations, prefetch_threshold, quality_floor, sinks, first_layer,
                 audit_translations):  # fmt: skip
     """Print the SGLang launch command of every ENGINE, sharing prefixes through sgl-kvmap."""
     from .sglang.launch import (
@@ -1583,7 +1604,7 @@ def sglang_args(ctx, engines, packs, store, mooncake_master, mooncake_metadata, 
     options = LaunchOptions(
         store, store_path, page_size, device, max_total_tokens, tail_pages,
         concurrent_translations, audit_translations, quality_floor, mooncake_master,
-        mooncake_metadata, prefetch_threshold, sinks,
+        mooncake_metadata, prefetch_threshold, sinks, first_layer,
     )  # fmt: skip
     deadline, lines = measured_deadline(
         list(packs), prefetch_policy, concurrent=concurrent_translations, device=device

@@ -305,6 +305,10 @@ SERVED = {"served_tail": PAGE, "served_page_size": PAGE, "served_sinks": "transl
              "served_tail": 2 * PAGE}, 0.0, False),  # served with another tail
         (1, {"eval_gap_closed_tail": -0.1, **SERVED, "served_gap_closed_tail_low": 0.2,
              "served_sinks": "native"}, 0.0, False),  # served under another sinks policy
+        (1, {"eval_gap_closed_tail": -0.1, **SERVED, "served_gap_closed_tail_low": 0.2,
+             "served_first_layer": "exact"}, 0.0, False),  # served with another layer 0
+        (1, {"eval_gap_closed_tail": -0.1, **SERVED, "served_gap_closed_tail_low": 0.2,
+             "served_first_layer": "mapped"}, 0.0, True),  # as this engine serves it
     ],
 )  # fmt: skip
 def test_a_pack_translates_only_above_the_quality_floor(
@@ -542,6 +546,7 @@ def test_a_pack_changed_on_disk_while_serving_changes_nothing(cluster, deploymen
         ({"peers": {"model_name": "x"}}, "peers must be a list"),
         ({"peers": [{"model_name": "x"}]}, "has no pack"),
         ({"sinks": "maybe"}, "sinks must be one of"),
+        ({"first_layer": "own"}, "first_layer must be one of"),
         ({"inner_backend": "hf3fs"}, "not supported by sgl-kvmap"),
     ],
 )
@@ -981,3 +986,32 @@ def test_a_hit_below_sglangs_prefetch_threshold_starts_no_translation(cluster):
     assert b.serve(prompt).reused == 0
     assert b.storage.jobs.busy() == 0 and not b.storage._staged
     assert b.storage.counters["translated_pages_delivered"] == 0
+
+
+def test_the_exact_first_layer_is_the_targets_own_and_the_other_layers_the_packs(cluster):
+    """With ``first_layer`` "exact" the translated tokens' layer 0 in B's pool is B's model's
+    own (its first-layer K/V of the prompt at their positions, in the pool's bfloat16): the
+    token ids read back from A's stored layer-0 values; every other layer is the pack's map of
+    A's stored KV, bit for bit; every translated token is counted as read back."""
+    from sgl_kvmap.models.capture import first_layer_kv
+
+    prompt = tokens(4 * PAGE + 3, seed=61)
+    a = cluster.engine(0, translate=False)
+    sent = a.serve(prompt)
+    b = cluster.engine(1, first_layer="exact")
+    served = b.serve(prompt)
+    assert served.reused == 4 * PAGE
+    assert b.storage.counters["first_layer_exact_tokens"] == 4 * PAGE
+    assert b.storage.counters["first_layer_mapped_tokens"] == 0
+    want = cluster.mapper(0, 1).map(a.pool_kv(sent.slots[: 4 * PAGE]), fast_matmul_dtype("cpu"))
+    got = b.pool_kv(served.slots[: 4 * PAGE])
+    own_keys, own_values = first_layer_kv(b.model.model, torch.tensor(prompt[: 4 * PAGE]))
+    torch.testing.assert_close(got.keys[0], own_keys.to(got.keys[0].dtype), rtol=0.01, atol=0.01)
+    torch.testing.assert_close(
+        got.values[0], own_values.to(got.values[0].dtype), rtol=0.01, atol=0.01
+    )
+    assert not torch.equal(got.keys[0], want.keys[0])
+    for layer in range(1, len(got.keys)):
+        torch.testing.assert_close(got.keys[layer], want.keys[layer], rtol=0, atol=0)
+        torch.testing.assert_close(got.values[layer], want.values[layer], rtol=0, atol=0)
+    assert_logits_over_pool(b, served, prompt)

@@ -63,8 +63,10 @@ class BenchConfig:
     unused); tail_pages: the pages the ``tail`` mode recomputes; warm_opening: every engine
     serves the slice's shared opening (``workload.shared_opening``) before the replay, so a
     swap's first pages are its own; sinks: whether the engines may translate a prefix's first
-    page (``StorageSettings.sinks``); store: the store the engines share, a fresh one for each
-    replay (``replay.fresh_store``: ``file``, or ``mooncake``, a local master)."""
+    page (``StorageSettings.sinks``); first_layer: whether they serve the pack's map of layer 0
+    or their own for translated tokens (``StorageSettings.first_layer``); store: the store the
+    engines share, a fresh one for each replay (``replay.fresh_store``: ``file``, or
+    ``mooncake``, a local master)."""
 
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     policies: tuple[str, ...] = BENCH_POLICIES
@@ -78,12 +80,13 @@ class BenchConfig:
     tail_pages: int = MODE_SETTINGS["tail"]["tail_pages"]
     warm_opening: bool = True
     sinks: str = StorageSettings.sinks
+    first_layer: str = StorageSettings.first_layer
     store: str = "file"
 
     def __post_init__(self) -> None:
         for name in self.policies:
             parse_policy(name)
-        StorageSettings(sinks=self.sinks)  # its checks
+        StorageSettings(sinks=self.sinks, first_layer=self.first_layer)  # their checks
         if self.store not in INNER_BACKENDS:
             raise KVMapError(
                 f"unknown store {self.store!r}; stores are {', '.join(INNER_BACKENDS)}"
@@ -139,7 +142,12 @@ def run_bench(
                 page_size=config.workload.page_size,
                 deadline=config.deadline,
                 prefetch_threshold=config.prefetch_threshold,
-                overrides={"quality_floor": config.quality_floor, "sinks": config.sinks, **tail},
+                overrides={
+                    "quality_floor": config.quality_floor,
+                    "sinks": config.sinks,
+                    "first_layer": config.first_layer,
+                    **tail,
+                },
                 opening=opening,
                 on_request=on_request,
                 store=config.store,
@@ -201,12 +209,12 @@ def record_in_packs(
 ) -> list[str]:
     """Write into each pack of ``packs`` ((sender, receiver) -> folder) the figures of the swaps
     it translated (``report.served_record``), with how they were served (page size, sinks
-    policy, the tail mode's tail in tokens) and on what (the run's trace and command), in
-    place of any served figures it recorded before: what the engines' quality floor reads
-    (``StorageSettings.recorded_gap_closed``). A pack none of whose swaps translated anything
-    is left as it was. Returns a line per pack saying what it did."""
+    and first-layer policies, the tail mode's tail in tokens) and on what (the run's trace and
+    command), in place of any served figures it recorded before: what the engines' quality
+    floor reads (``StorageSettings.recorded_gap_closed``). A pack none of whose swaps
+    translated anything is left as it was. Returns a line per pack saying what it did."""
     from ..core.mapper import KVMapper
-    from ..sglang.settings import SERVED_PAGE_SIZE, SERVED_SINKS, SERVED_TAIL
+    from ..sglang.settings import SERVED_FIRST_LAYER, SERVED_PAGE_SIZE, SERVED_SINKS, SERVED_TAIL
     from .report import served_record
 
     lines = []
@@ -221,6 +229,7 @@ def record_in_packs(
         metrics.update(figures)
         metrics[SERVED_PAGE_SIZE] = config.workload.page_size
         metrics[SERVED_SINKS] = config.sinks
+        metrics[SERVED_FIRST_LAYER] = config.first_layer
         if "served_swaps_tail" in figures:
             metrics[SERVED_TAIL] = config.tail_pages * config.workload.page_size
         metrics["served_trace"] = (

@@ -111,7 +111,8 @@ class LaunchOptions:
     the gap closed a pack must record for an engine to use it (``StorageSettings``).
     ``prefetch_threshold``: the tokens a stored run needs before an engine fetches it (None:
     SGLang's own, 256; SGLang raises it to one page at least). ``sinks``: whether an engine
-    may translate a prefix's first page (``StorageSettings.sinks``)."""
+    may translate a prefix's first page (``StorageSettings.sinks``); ``first_layer``: whether
+    it serves its own layer 0 for translated tokens (``StorageSettings.first_layer``)."""
 
     store: str = StorageSettings.inner_backend
     store_path: str = STORE_PATH
@@ -126,9 +127,12 @@ class LaunchOptions:
     mooncake_metadata: str = ""
     prefetch_threshold: int | None = PREFETCH_THRESHOLD
     sinks: str = StorageSettings.sinks
+    first_layer: str = StorageSettings.first_layer
 
     def __post_init__(self) -> None:
-        StorageSettings(quality_floor=self.quality_floor, sinks=self.sinks)  # their checks
+        StorageSettings(  # their checks
+            quality_floor=self.quality_floor, sinks=self.sinks, first_layer=self.first_layer
+        )
         if self.prefetch_threshold is not None and self.prefetch_threshold < 1:
             raise KVMapError(f"prefetch threshold {self.prefetch_threshold} < 1 token")
         if (self.store == "mooncake") != bool(self.mooncake_master):
@@ -289,7 +293,10 @@ def floor_lines(
     clears ``options.quality_floor`` (a pack that does not is not used: its swaps are
     prefilled)."""
     settings = StorageSettings(
-        tail_pages=options.tail_pages, quality_floor=options.quality_floor, sinks=options.sinks
+        tail_pages=options.tail_pages,
+        quality_floor=options.quality_floor,
+        sinks=options.sinks,
+        first_layer=options.first_layer,
     )
     lines = []
     for target, peers in peers_by_engine.items():
@@ -345,6 +352,7 @@ def _command(engine, peers, options: LaunchOptions, deadline) -> list[str]:
         inner_backend=options.store,
         translate=bool(peers),
         sinks=options.sinks,
+        first_layer=options.first_layer,
         tail_pages=options.tail_pages,
         concurrent_translations=options.concurrent_translations,
         interface_v1=True,

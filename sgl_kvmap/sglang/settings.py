@@ -25,6 +25,7 @@ BACKEND = {
 }
 INNER_BACKENDS = ("file", "mooncake")
 SINK_POLICIES = ("translate", "native")
+FIRST_LAYER_POLICIES = ("mapped", "exact")
 MAX_CONCURRENT_TRANSLATIONS = 64
 # The gap closed a pack records (``EvalReport.summary()``, written by ``sgl-kvmap eval --record``
 # and the demo): with the target's tail recomputed, and translating every token.
@@ -33,6 +34,7 @@ GAP_CLOSED_TAIL, GAP_CLOSED = "eval_gap_closed_tail", "eval_gap_closed"
 # closed interval, with the tail, page size and sinks policy the engines served them with.
 SERVED_GAP_CLOSED_TAIL, SERVED_GAP_CLOSED = "served_gap_closed_tail_low", "served_gap_closed_low"
 SERVED_TAIL, SERVED_PAGE_SIZE, SERVED_SINKS = "served_tail", "served_page_size", "served_sinks"
+SERVED_FIRST_LAYER = "served_first_layer"  # absent: recorded before it was a choice, "mapped"
 DEFAULT_QUALITY_FLOOR = 0.0  # better than staying on the source model
 
 
@@ -86,7 +88,12 @@ class StorageSettings:
     no copy of its own (a swap into a fresh engine then translates from page 0, and every
     later request sharing those pages reads them translated). tail_pages: the last pages of a
     translatable run that this engine computes itself instead (the hand-off's recomputed tail;
-    0 translates every page a peer stored). concurrent_translations: swaps translated at once
+    0 translates every page a peer stored). first_layer: "mapped" (the default) serves the
+    pack's map of layer 0; "exact" serves this model's own layer 0 for every translated token
+    whose id the peer's stored layer-0 values give back (``models.first_layer``: it needs both
+    models' weight files on this host, read once when the server starts; a peer without them
+    is translated with layer 0 mapped, counted ``first_layer_unavailable``).
+    concurrent_translations: swaps translated at once
     (each on a worker thread of its own; a swap arriving while all are busy is prefilled,
     counted); the prefetch deadline ``sglang-args`` sets covers this many at once.
     quality_floor: the gap closed (``sgl-kvmap eval``: (translated - source) / (target -
@@ -109,6 +116,7 @@ class StorageSettings:
     sinks: str = "native"
     # 48 tokens at sglang-args' 16-token pages (docs/LOG.md, "the tail at 16-token pages")
     tail_pages: int = 3
+    first_layer: str = "mapped"
     concurrent_translations: int = 2
     interface_v1: bool = False
     model_path: str = ""
@@ -134,6 +142,10 @@ class StorageSettings:
             )
         if self.sinks not in SINK_POLICIES:
             raise KVMapError(f"sinks must be one of {SINK_POLICIES}, got {self.sinks!r}")
+        if self.first_layer not in FIRST_LAYER_POLICIES:
+            raise KVMapError(
+                f"first_layer must be one of {FIRST_LAYER_POLICIES}, got {self.first_layer!r}"
+            )
         floor = self.quality_floor
         if floor is not None and (
             type(floor) not in (int, float) or not -1 <= floor <= 1 or not math.isfinite(floor)
@@ -168,7 +180,8 @@ class StorageSettings:
         """The gap closed a pack's ``metrics`` record for an engine of these settings and
         ``page_size``-token pages, by its key (None when absent or not a finite number): the
         served figure (``sgl-kvmap bench --record``) when it was measured on engines that
-        served as this one does (the same tail in tokens, page size and sinks policy), else
+        served as this one does (the same tail in tokens, page size, sinks and first-layer
+        policies), else
         the library's (``sgl-kvmap eval --record``): the tail's figure when this engine
         recomputes a tail, else the whole translation's."""
         metrics = metrics if isinstance(metrics, dict) else {}
@@ -177,6 +190,7 @@ class StorageSettings:
         served_here = (
             metrics.get(SERVED_PAGE_SIZE) == page_size
             and metrics.get(SERVED_SINKS) == self.sinks
+            and metrics.get(SERVED_FIRST_LAYER, "mapped") == self.first_layer
             and (not self.tail_pages or metrics.get(SERVED_TAIL) == self.tail_pages * page_size)
         )
         if served_here and _finite(metrics.get(served)) is not None:

@@ -61,6 +61,7 @@ from ..core.errors import KVMapError, PackError, PairMismatchError
 from ..core.files import staged_file
 from ..core.mapper import KVMapper
 from ..core.spec import ModelSpec, check_models, check_pair, spec_from_pretrained
+from ..models.first_layer import ExactFirstLayer, first_layer_table
 from .heads import rank_heads, ranks_covering_heads
 from .identity import DIGITS, identity_config, local_weights_digest, model_identity, split_identity
 from .jobs import Job, JobPool
@@ -105,7 +106,8 @@ class Peer:
     stores: the store of each of those ranks (its pages and their records); mapper: the pair's
     mapper, restricted to this rank's target heads and moved to ``device``; weights: the digest
     its records must name for the peer's weights (``identity``: from the peer's model folder
-    when this host has its weight files, else pinned to the first record read)."""
+    when this host has its weight files, else pinned to the first record read); first_layer:
+    the tables that give translated tokens this engine's exact layer 0 (None: mapped)."""
 
     settings: PeerSettings
     spec: ModelSpec
@@ -114,6 +116,7 @@ class Peer:
     mapper: KVMapper
     device: torch.device
     weights: str | None
+    first_layer: ExactFirstLayer | None = None
 
     @property
     def name(self) -> str:
@@ -314,7 +317,7 @@ class KVMapStorage(HiCacheStorage):
 
     def _own_spec(self) -> ModelSpec | None:
         """This engine's model spec, and its identity for the records it writes."""
-        path = self.settings.model_path or self.storage_config.model_name
+        path = self._own_path()
         try:
             own = spec_from_pretrained(path)
         except Exception as error:  # noqa: BLE001 - any failure to read the model means: no translation
@@ -322,6 +325,9 @@ class KVMapStorage(HiCacheStorage):
             return None
         self.identity = model_identity(own, local_weights_digest(path) or NO_WEIGHTS)
         return own
+
+    def _own_path(self) -> str:
+        return self.settings.model_path or self.storage_config.model_name
 
     def _connect(self, settings: PeerSettings, own: ModelSpec) -> Peer | None:
         try:
@@ -355,7 +361,29 @@ class KVMapStorage(HiCacheStorage):
             mapper=mapper.to(device),
             device=device,
             weights=_short(local_weights_digest(settings.model_path)),
+            first_layer=self._first_layer(settings, own),
         )
+
+    def _first_layer(self, settings: PeerSettings, own: ModelSpec) -> ExactFirstLayer | None:
+        """The layer-0 tables of the peer and of this engine's rank, when this engine serves
+        its own layer 0 for translated tokens (``StorageSettings.first_layer``) and this host
+        holds both models' weights; else None (layer 0 mapped, counted)."""
+        if self.settings.first_layer != "exact":
+            return None
+        heads = rank_heads(
+            own.num_kv_heads, self.storage_config.tp_size, self.storage_config.tp_rank
+        )
+        try:
+            own_table = first_layer_table(self._own_path())
+            return ExactFirstLayer(
+                first_layer_table(settings.model_path), own_table.for_heads(heads)
+            )
+        except Exception as error:  # noqa: BLE001 - no weights here: serve layer 0 mapped
+            return self._fallback(
+                "first_layer_unavailable",
+                f"peer {settings.model_name}: layer 0 stays mapped, its tables cannot be built: "
+                f"{error}",
+            )
 
     def _peer_store(self, peer: PeerSettings, rank: int) -> HiCacheStorage:
         """The store of one rank of the peer engine (this engine's store, the peer's name),
@@ -478,7 +506,10 @@ class KVMapStorage(HiCacheStorage):
             if not source.shape[1]:
                 return Translated([], [], short)
             first = next(iter(records[0].values())).first_token
-            pages = translate_run(peer.mapper, source, first, self.page)
+            pages, exact = translate_run(peer.mapper, source, first, self.page, peer.first_layer)
+            if peer.first_layer is not None:
+                self._count("first_layer_exact_tokens", exact)
+                self._count("first_layer_mapped_tokens", source.shape[1] - exact)
             finite = next((i for i, page in enumerate(pages) if not page.isfinite().all()), None)
             if finite is not None:  # a hostile or broken pack: never NaN/inf into the engine
                 pages = pages[:finite]

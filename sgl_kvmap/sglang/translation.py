@@ -20,6 +20,7 @@ import torch
 
 from ..core.mapper import KVMapper
 from ..kernels import PagedKV, fast_matmul_dtype, translate_pages
+from ..models.first_layer import ExactFirstLayer
 from .pages import PageFormat
 from .records import page_crc32
 
@@ -64,17 +65,24 @@ def translate_tokens(
 
 
 def translate_run(
-    mapper: KVMapper, source: torch.Tensor, first_token: int, page: PageFormat
-) -> list[torch.Tensor]:
+    mapper: KVMapper,
+    source: torch.Tensor,
+    first_token: int,
+    page: PageFormat,
+    first_layer: ExactFirstLayer | None = None,
+) -> tuple[list[torch.Tensor], int]:
     """source: [2, tokens, source layers, source heads, dim], whole pages of a peer starting at
     position ``first_token``. Returns this engine's pages of their translation, each a flat
-    [page.numel] tensor in ``page``'s layout and dtype (``PageFormat.from_tokens``)."""
+    [page.numel] tensor in ``page``'s layout and dtype (``PageFormat.from_tokens``), and how
+    many tokens got this engine's exact layer 0 from ``first_layer`` (None: layer 0 mapped)."""
     spec, size = mapper.target, page.page_size
     shape = (2, source.shape[1], spec.num_layers, spec.num_kv_heads, spec.head_dim)
     positions = torch.arange(first_token, first_token + source.shape[1])
     out = staging("result", shape, page.dtype)
     target = translate_tokens(mapper, source, positions, page.dtype, out=out)
-    return [page.from_tokens(target[:, i : i + size]) for i in range(0, source.shape[1], size)]
+    exact = first_layer.overwrite(source, positions, target) if first_layer is not None else 0
+    pages = [page.from_tokens(target[:, i : i + size]) for i in range(0, source.shape[1], size)]
+    return pages, exact
 
 
 def staging(name, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
