@@ -25,6 +25,7 @@ from ..core.errors import KVMapError
 from ..core.rope import rope, unrope
 from ..core.sources import model_folder
 from ..core.spec import ModelSpec, spec_from_pretrained, tables_for_spec
+from ..kernels import fast_matmul_dtype
 from .capture import first_layer_kv
 
 # A stored value row is read back as a token when it lies within this fraction of its own norm
@@ -34,6 +35,7 @@ RECOVERY_TOLERANCE = 0.02
 RECOVERY_MARGIN = 2.0
 _TABLE_CHUNK = 4096  # tokens per forward while a table is built
 _SEARCH_CHUNK = 256  # stored tokens compared with the whole vocabulary at once
+_CANDIDATES = 8  # nearest rows by the fast dtype's ranking, whose distances are taken exactly
 MAX_REMEMBERED = 1 << 20  # stored rows whose token id an ExactFirstLayer remembers
 
 
@@ -83,18 +85,22 @@ def recover_token_ids(values: torch.Tensor, table: FirstLayerTable) -> torch.Ten
     the table is clearly the nearest (``RECOVERY_TOLERANCE``, ``RECOVERY_MARGIN``; tokens whose
     embeddings coincide are never told apart)."""
     rows = table.values.flatten(1)
-    row_norms = rows.square().sum(1)
+    fast = fast_matmul_dtype(rows.device)
+    rows_fast, half_norms = rows.to(fast), rows.square().sum(1).mul(-0.5)[None].to(fast)
     ids = torch.full((values.shape[0],), -1, dtype=torch.long)
     for start in range(0, values.shape[0], _SEARCH_CHUNK):
         x = values[start : start + _SEARCH_CHUNK].flatten(1).float()
-        x_norms = x.square().sum(1, keepdim=True)
-        distances = (x_norms - 2 * x @ rows.T + row_norms).clamp_min(0)
-        nearest, which = distances.topk(2, dim=1, largest=False)
-        best, second = nearest.sqrt().unbind(1)
-        scale = x_norms.squeeze(1).sqrt()
+        # the nearest rows maximise x.r - |r|^2 / 2 (ranked in the fast dtype, a few kept);
+        # their distances are then taken exactly
+        scores = torch.addmm(half_norms, x.to(fast), rows_fast.T)
+        candidates = scores.topk(_CANDIDATES, dim=1).indices
+        distances, order = (x[:, None] - rows[candidates]).norm(dim=2).sort(dim=1)
+        best, second = distances[:, 0], distances[:, 1]
+        scale = x.norm(dim=1)
         clear = (best <= RECOVERY_TOLERANCE * scale) & (second >= RECOVERY_MARGIN * best)
         clear &= second > RECOVERY_TOLERANCE * scale
-        ids[start : start + x.shape[0]] = torch.where(clear, which[:, 0], -1)
+        nearest = candidates.gather(1, order[:, :1]).squeeze(1)
+        ids[start : start + x.shape[0]] = torch.where(clear, nearest, -1)
     return ids
 
 
