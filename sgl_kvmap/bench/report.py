@@ -220,8 +220,8 @@ def continuation_stats(swapped: list[RequestRecord]) -> dict:
 
 
 # the translating modes whose served figures ``sgl-kvmap bench --record`` writes into a pack,
-# by the suffix of their keys (``sglang.settings``' SERVED_GAP_CLOSED_TAIL and SERVED_GAP_CLOSED)
-RECORDED_MODES = {"tail": "_tail", "translated": ""}
+# by whether their engines recompute a tail (``sglang.settings.served_key``)
+RECORDED_MODES = {"tail": True, "translated": False}
 
 
 def served_record(records: list[RequestRecord], served_model: str) -> dict[str, float | int]:
@@ -229,11 +229,13 @@ def served_record(records: list[RequestRecord], served_model: str) -> dict[str, 
     ``served_model`` served: for each translating mode (``RECORDED_MODES``), pooled over the
     swaps of every policy that translated any token, their number (``served_swaps``), the
     retention and gap closed on the true continuation and the low end of the gap-closed
-    interval (``served_gap_closed[_tail]_low``: what the engines' quality floor reads), the
-    mode's suffix after each figure's name. Figures that do not apply (no such swap, no gap
+    interval (``served_gap_closed[_tail]_low``: what the engines' quality floor reads), each
+    under its ``settings.served_key``. Figures that do not apply (no such swap, no gap
     to close) are left out."""
     out: dict[str, float | int] = {}
-    for mode, suffix in RECORDED_MODES.items():
+    from ..sglang.settings import served_key
+
+    for mode, tail in RECORDED_MODES.items():
         swaps = [
             r
             for r in records
@@ -244,10 +246,10 @@ def served_record(records: list[RequestRecord], served_model: str) -> dict[str, 
             continue
         interval = stats["gap_closed_ci"]
         figures = {
-            f"served_swaps{suffix}": stats["continuation_requests"],
-            f"served_retention{suffix}": stats["retention"],
-            f"served_gap_closed{suffix}": stats["gap_closed"],
-            f"served_gap_closed{suffix}_low": interval[0] if interval else None,
+            served_key("swaps", tail): stats["continuation_requests"],
+            served_key("retention", tail): stats["retention"],
+            served_key("gap_closed", tail): stats["gap_closed"],
+            served_key("gap_closed_low", tail): interval[0] if interval else None,
         }
         out.update({key: value for key, value in figures.items() if value is not None})
     return out

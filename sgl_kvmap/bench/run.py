@@ -214,7 +214,13 @@ def record_in_packs(
     floor reads (``StorageSettings.recorded_gap_closed``). A pack none of whose swaps
     translated anything is left as it was. Returns a line per pack saying what it did."""
     from ..core.mapper import KVMapper
-    from ..sglang.settings import SERVED_FIRST_LAYER, SERVED_PAGE_SIZE, SERVED_SINKS, SERVED_TAIL
+    from ..sglang.settings import (
+        SERVED_FIRST_LAYER,
+        SERVED_PAGE_SIZE,
+        SERVED_SINKS,
+        SERVED_TAIL,
+        served_key,
+    )
     from .report import served_record
 
     lines = []
@@ -230,7 +236,7 @@ def record_in_packs(
         metrics[SERVED_PAGE_SIZE] = config.workload.page_size
         metrics[SERVED_SINKS] = config.sinks
         metrics[SERVED_FIRST_LAYER] = config.first_layer
-        if "served_swaps_tail" in figures:
+        if served_key("swaps", tail=True) in figures:
             metrics[SERVED_TAIL] = config.tail_pages * config.workload.page_size
         metrics["served_trace"] = (
             f"{run_header['trace']}, {run_header['requests']} requests, scale {run_header['scale']}"

@@ -26,6 +26,7 @@ from .settings import (
     PeerSettings,
     StorageSettings,
     prefetch_threshold_keys,
+    served_key,
 )
 
 PREFETCH_POLICIES = ("timeout", "wait_complete", "best_effort")
@@ -305,7 +306,7 @@ def floor_lines(
             key, gap = settings.recorded_gap_closed(metrics, options.page_size)
             measured = f"records {key} {gap:.3f}" if gap is not None else f"records no {key}"
             if gap is not None and key.startswith("served_"):
-                swaps = metrics.get("served_swaps_tail" if options.tail_pages else "served_swaps")
+                swaps = metrics.get(served_key("swaps", tail=bool(options.tail_pages)))
                 measured += (
                     f" (the low end of its interval over {swaps} swaps served as these engines "
                     f"serve, `sgl-kvmap bench --record` on {metrics.get('served_trace')})"

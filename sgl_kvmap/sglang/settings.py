@@ -30,9 +30,24 @@ MAX_CONCURRENT_TRANSLATIONS = 64
 # The gap closed a pack records (``EvalReport.summary()``, written by ``sgl-kvmap eval --record``
 # and the demo): with the target's tail recomputed, and translating every token.
 GAP_CLOSED_TAIL, GAP_CLOSED = "eval_gap_closed_tail", "eval_gap_closed"
+SERVED_FIGURES = ("swaps", "retention", "gap_closed", "gap_closed_low")
+
+
+def served_key(figure: str, tail: bool) -> str:
+    """The pack metric under which ``sgl-kvmap bench --record`` keeps a figure of served swaps
+    (one of ``SERVED_FIGURES``) for engines that recompute a tail (``tail``) or translate
+    every page: ``served_gap_closed_tail_low`` for the low end of the gap-closed interval
+    with a tail."""
+    if figure not in SERVED_FIGURES:
+        raise ValueError(f"unknown served figure {figure!r}")
+    base, low = (figure.removesuffix("_low"), "_low") if figure.endswith("_low") else (figure, "")
+    return f"served_{base}{'_tail' if tail else ''}{low}"
+
+
 # The same, measured on served swaps (``sgl-kvmap bench --record``): the low end of the gap
 # closed interval, with the tail, page size and sinks policy the engines served them with.
-SERVED_GAP_CLOSED_TAIL, SERVED_GAP_CLOSED = "served_gap_closed_tail_low", "served_gap_closed_low"
+SERVED_GAP_CLOSED_TAIL = served_key("gap_closed_low", tail=True)
+SERVED_GAP_CLOSED = served_key("gap_closed_low", tail=False)
 SERVED_TAIL, SERVED_PAGE_SIZE, SERVED_SINKS = "served_tail", "served_page_size", "served_sinks"
 SERVED_FIRST_LAYER = "served_first_layer"  # absent: recorded before it was a choice, "mapped"
 DEFAULT_QUALITY_FLOOR = 0.0  # better than staying on the source model
