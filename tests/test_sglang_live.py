@@ -83,8 +83,8 @@ ENVIRONMENT = {
 class Deployment:
     """The printed command lines of one ``sglang-args`` call and the servers running them.
     ``store``: the file store's folder (its counters' folder with ``store_args``, sglang-args'
-    options of another store); ``env``: the variables added to each printed line; ``sinks``:
-    sglang-args' ``--sinks`` (None: its default)."""
+    options of another store); ``env``: the variables added to each printed line; ``sinks``
+    and ``first_layer``: sglang-args' ``--sinks`` and ``--first-layer`` (None: its default)."""
 
     def __init__(
         self,
@@ -96,6 +96,7 @@ class Deployment:
         store_args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
         sinks: str | None = None,
+        first_layer: str | None = None,
     ):
         self.folder, self.store = folder, Path(store)
         self.store.mkdir(parents=True, exist_ok=True)
@@ -110,6 +111,7 @@ class Deployment:
         # what is translated, not when: a loaded 2-core machine missed the measured deadline
         args += ["--prefetch-policy", "wait_complete"]
         args += ["--sinks", sinks] if sinks else []
+        args += ["--first-layer", first_layer] if first_layer else []
         self.lines = sglang_args_lines(
             [*args, "--port", str(port)], program=sgl_kvmap_program(), env=self.env
         )
@@ -276,13 +278,18 @@ def test_bs_kv_for_the_translated_pages_is_the_translation_of_as(
     assert_translated(live, NAMES["a"], NAMES["b"], keys, served_pair["packs"][0, 1])
 
 
-def assert_translated(store, sender: str, receiver: str, keys: list[str], pack) -> None:
+def assert_translated(
+    store, sender: str, receiver: str, keys: list[str], pack, own_first_layer=None
+) -> None:
     """(``store``: the file store's folder, or a ``Deployment``, read through its ``reader``.)
     The receiver's audit copies of pages ``keys`` (its store, key + ``.translated``) equal
     ``pack``'s translation of the sender's stored pages at the positions its records give,
     computed here as a worker computes it (the products in bfloat16 or float32, whichever the
     server's CPU multiplies faster: both are tried). The receiver's pages use the sender's KV
-    dtype (both servers keep their KV in one dtype here)."""
+    dtype (both servers keep their KV in one dtype here). ``own_first_layer``: (the
+    receiver's model, the sequence's token ids) for a receiver serving its own layer 0
+    (``--first-layer exact``): layer 0 is then that model's own K/V of those tokens (to the
+    pages' dtype), the other layers the translation."""
     import torch
 
     from sgl_kvmap.core.mapper import KVMapper
@@ -309,6 +316,17 @@ def assert_translated(store, sender: str, receiver: str, keys: list[str], pack) 
             mapper, pools[0], slots, pools[1], slots, positions, matmul_dtype=matmul_dtype
         )
         wants.append(want)
+    if own_first_layer is not None:
+        from sgl_kvmap.models.capture import first_layer_kv
+
+        model, tokens = own_first_layer
+        own = first_layer_kv(model, torch.tensor(tokens[: int(positions[-1]) + 1]))
+        for kind in (0, 1):
+            exact = own[kind][positions].to(got.dtype)
+            torch.testing.assert_close(got[kind, :, 0], exact, rtol=0.01, atol=0.01)
+            mapped = wants[0][kind, :, 0].float()  # would fail the check above: not it
+            assert not torch.allclose(mapped, exact.float(), rtol=0.01, atol=0.01)
+        got, wants = got[:, :, 1:], [want[:, :, 1:] for want in wants]
     assert any(torch.equal(got, want) for want in wants)
     assert wants[0].abs().sum() > 0
 
@@ -442,19 +460,26 @@ def test_concurrent_sessions_on_both_servers(live):
 def test_a_warmed_opening_stays_the_engines_own_and_only_what_follows_is_translated(
     served_pair, tmp_path
 ):
-    """Servers launched with sglang-args' defaults: ``sgl-kvmap warm`` (its command line, run
-    as an operator runs it once the servers are healthy) serves a shared opening of six pages
-    and a bit on A and then on B. B computes the opening itself although A stored it first
-    (under ``--sinks translate`` it would translate A's first pages, less the tail): the copy
-    of the opening B stores is its own, page for page. A session that begins with the opening,
-    served by A and then swapped to B: B reports the opening's pages as device hits and only
-    A's pages after them, less the tail, as storage hits (translated)."""
+    """Servers launched with sglang-args' defaults and ``--first-layer exact``: ``sgl-kvmap
+    warm`` (its command line, run as an operator runs it once the servers are healthy) serves
+    a shared opening of six pages and a bit on A and then on B. B computes the opening itself
+    although A stored it first (under ``--sinks translate`` it would translate A's first pages,
+    less the tail): the copy of the opening B stores is its own, page for page. A session that
+    begins with the opening, served by A and then swapped to B: B reports the opening's pages
+    as device hits and only A's pages after them, less the tail, as storage hits (translated);
+    the pages B received translated hold B's own layer 0 for their tokens (read back from A's
+    stored layer 0) and the pack's translation of A's pages in every other layer."""
     from click.testing import CliRunner
 
     from sgl_kvmap.cli import main
 
     live = Deployment(
-        tmp_path, served_pair, [(0, 1), (1, 0)], free_port_base(2), tmp_path / "store"
+        tmp_path,
+        served_pair,
+        [(0, 1), (1, 0)],
+        free_port_base(2),
+        tmp_path / "store",
+        first_layer="exact",
     )
     try:
         tail = live.extra_config("b")["tail_pages"]
@@ -482,6 +507,11 @@ def test_a_warmed_opening_stays_the_engines_own_and_only_what_follows_is_transla
         assert translated_pages * PAGE >= THRESHOLD
         assert generation.cached == {"device": held, "host": 0, "storage": translated_pages * PAGE}
         assert len(generation.output_ids) > 0
+        first = len(opening) // PAGE
+        keys = page_hashes(second)[first : first + translated_pages]
+        own_first_layer = (served_pair["models"][1].model, second)
+        pack = served_pair["packs"][0, 1]
+        assert_translated(live, NAMES["a"], NAMES["b"], keys, pack, own_first_layer)
     finally:
         live.stop("a", "b")
 
