@@ -646,6 +646,50 @@ def test_tensor_parallel_ranks_translate_their_own_heads(
                 group.close()
 
 
+def test_tensor_parallel_ranks_serve_their_heads_of_the_exact_first_layer(two_head_pair, tmp_path):
+    """``first_layer`` "exact" with the source at TP 2 (its layer-0 values joined from both
+    ranks to read the token ids back) and the target at TP 4 (each head on 2 ranks): every
+    rank's layer 0 is its heads of the target's own layer-0 K/V of the prompt, and every other
+    layer its heads of the pack's map."""
+    from sgl_kvmap.models.capture import first_layer_kv
+    from sgl_kvmap.sglang.engine import TPGroup
+    from sgl_kvmap.sglang.heads import rank_heads
+
+    names, models, pack = two_head_pair
+    store = str(tmp_path / "store")
+    off = sglang_extra_config(StorageSettings(interface_v1=True), store)
+    translating = StorageSettings(
+        translate=True,
+        interface_v1=True,
+        peers=(PeerSettings(names[0], pack, tp_size=2),),
+        tail_pages=0,
+        quality_floor=None,
+        sinks="translate",
+        first_layer="exact",
+    )
+    prompt = tokens(3 * PAGE + 3, seed=31)
+    source, target = TPGroup(models[0], names[0], off, 2, **UNTIMED), None
+    try:
+        sent = source.serve(prompt)
+        target = TPGroup(models[1], names[1], sglang_extra_config(translating, store), 4, **UNTIMED)
+        served = target.serve(prompt)
+        source_kv = source.pool_kv([s.slots[: 3 * PAGE] for s in sent])
+        want = KVMapper.from_pretrained(pack).map(source_kv, fast_matmul_dtype("cpu"))
+        own = first_layer_kv(models[1].model, torch.tensor(prompt[: 3 * PAGE]))
+        for rank, (engine, got) in enumerate(zip(target.ranks, served)):
+            heads = rank_heads(2, 4, rank)
+            assert engine.storage.counters["first_layer_exact_tokens"] == 3 * PAGE
+            pool = engine.pool_kv(got.slots[: 3 * PAGE])
+            for g, w in ((pool.keys[0], own[0]), (pool.values[0], own[1])):
+                torch.testing.assert_close(g, w[:, heads].to(g.dtype), rtol=0.01, atol=0.01)
+            for g, w in zip(pool.keys[1:] + pool.values[1:], want.keys[1:] + want.values[1:]):
+                torch.testing.assert_close(g, w[:, heads], rtol=0, atol=0)
+    finally:
+        for group in (source, target):
+            if group is not None:
+                group.close()
+
+
 def test_a_tail_of_pages_is_left_for_the_target_to_compute(cluster):
     """``tail_pages``: the last pages of a translatable run are computed by the target itself
     (its own KV there), the rest translated at their true positions."""
