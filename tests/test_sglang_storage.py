@@ -646,6 +646,28 @@ def test_tensor_parallel_ranks_translate_their_own_heads(
                 group.close()
 
 
+def test_without_the_peers_weights_layer_0_stays_mapped_and_translation_goes_on(cluster, tmp_path):
+    """``first_layer`` "exact" on a host that has the peer's config and tokenizer but not its
+    weights: the reason is counted once, and B translates as with layer 0 mapped (its pool is
+    the pack's map, every layer)."""
+    import shutil
+
+    names = cluster.deployment["names"]
+    bare = tmp_path / "a-without-weights"
+    shutil.copytree(names[0], bare, ignore=shutil.ignore_patterns("*.safetensors"))
+    prompt = tokens(3 * PAGE + 3, seed=62)
+    a = cluster.engine(0, translate=False)
+    sent = a.serve(prompt)
+    extra = cluster.extra(1, first_layer="exact")
+    extra["peers"][0]["model_path"] = str(bare)
+    b = Engine(cluster.deployment["models"][1], names[1], extra, **UNTIMED)
+    cluster.engines.append(b)
+    served = b.serve(prompt)
+    assert b.storage.counters["fallback.first_layer_unavailable"] == 1
+    assert "first_layer_exact_tokens" not in b.storage.counters
+    assert_swap(b, served, a, sent, cluster.mapper(0, 1), prompt, 0, 3 * PAGE)
+
+
 def test_tensor_parallel_ranks_serve_their_heads_of_the_exact_first_layer(two_head_pair, tmp_path):
     """``first_layer`` "exact" with the source at TP 2 (its layer-0 values joined from both
     ranks to read the token ids back) and the target at TP 4 (each head on 2 ranks): every
