@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -125,20 +126,23 @@ class ExactFirstLayer:
     source: FirstLayerTable
     target: FirstLayerTable
     known: dict[bytes, int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def token_ids(self, values: torch.Tensor) -> torch.Tensor:
         """values: [tokens, source heads, dim], stored layer-0 values. Returns [tokens] int64,
         -1 where none is read back (``recover_token_ids``)."""
         rows = [row.numpy().tobytes() for row in values.flatten(1).contiguous().view(torch.uint8)]
-        ids = torch.tensor([self.known.get(row, -2) for row in rows], dtype=torch.long)
-        unseen = (ids == -2).nonzero().squeeze(1)
-        if unseen.numel():
-            ids[unseen] = recover_token_ids(values[unseen], self.source)
-            if len(self.known) > MAX_REMEMBERED:
-                self.known.clear()
-            for i in unseen.tolist():
-                self.known[rows[i]] = int(ids[i])
-        return ids
+        with self._lock:  # translation workers share it
+            ids = {row: self.known.get(row) for row in rows}
+        unseen = {row: i for i, row in enumerate(rows) if ids[row] is None}
+        if unseen:  # each distinct row searched once
+            found = recover_token_ids(values[list(unseen.values())], self.source).tolist()
+            ids.update(zip(unseen, found))
+            with self._lock:
+                if len(self.known) + len(unseen) > MAX_REMEMBERED:
+                    self.known.clear()
+                self.known.update(zip(unseen, found))
+        return torch.tensor([ids[row] for row in rows], dtype=torch.long)
 
     def overwrite(self, source: torch.Tensor, positions: torch.Tensor, target: torch.Tensor) -> int:
         """source: [2, tokens, source layers, source heads, dim] as stored (on the CPU);
