@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from sgl_kvmap.kernels import fast_matmul_dtype
 from sgl_kvmap.models.capture import first_layer_kv, load_model
 from sgl_kvmap.models.first_layer import ExactFirstLayer, first_layer_table, recover_token_ids
 
@@ -52,14 +53,15 @@ def main() -> None:
     ids = source.tokenizer(text, return_tensors="pt").input_ids[0][: args.tokens]
     keys, values = first_layer_kv(source.model, ids)
 
-    cold, read = seconds(lambda: recover_token_ids(values, built["source"]))
+    fast = fast_matmul_dtype("cpu")
+    cold, read = seconds(lambda: recover_token_ids(values, built["source"], fast))
     right = int((read == ids).sum())
     wrong = int(((read >= 0) & (read != ids)).sum())
     print(
         f"read back {int((read >= 0).sum())} of {ids.numel()} ids ({right} right, {wrong} wrong): "
         f"{cold:.2f} s cold, {1e3 * cold / ids.numel():.2f} ms per token"
     )
-    exact = ExactFirstLayer(built["source"], built["target"])
+    exact = ExactFirstLayer(built["source"], built["target"], fast)
     spec = built["target"].spec
     stored = torch.stack([keys, values])[:, :, None]  # [2, tokens, 1 layer, heads, dim]
     target = torch.zeros(2, ids.numel(), spec.num_layers, spec.num_kv_heads, spec.head_dim)

@@ -26,7 +26,6 @@ from ..core.errors import KVMapError
 from ..core.rope import rope, unrope
 from ..core.sources import model_folder
 from ..core.spec import ModelSpec, spec_from_pretrained, tables_for_spec
-from ..kernels import fast_matmul_dtype
 from .capture import first_layer_kv
 
 # A stored value row is read back as a token when it lies within this fraction of its own norm
@@ -80,13 +79,16 @@ def first_layer_table(path: str) -> FirstLayerTable:
     return FirstLayerTable(keys, values, spec)
 
 
-def recover_token_ids(values: torch.Tensor, table: FirstLayerTable) -> torch.Tensor:
+def recover_token_ids(
+    values: torch.Tensor, table: FirstLayerTable, matmul_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """values: [tokens, kv_heads, head_dim], a model's stored layer-0 values (any dtype);
     ``table``: that model's. Returns [tokens] int64: each token's id, or -1 where no row of
     the table is clearly the nearest (``RECOVERY_TOLERANCE``, ``RECOVERY_MARGIN``; tokens whose
-    embeddings coincide are never told apart)."""
+    embeddings coincide are never told apart). ``matmul_dtype``: the dtype candidates are
+    ranked in (the CPU's fast one, ``kernels.fast_matmul_dtype``); distances are float32."""
     rows = table.values.flatten(1)
-    fast = fast_matmul_dtype(rows.device)
+    fast = matmul_dtype
     rows_fast, half_norms = rows.to(fast), rows.square().sum(1).mul(-0.5)[None].to(fast)
     ids = torch.full((values.shape[0],), -1, dtype=torch.long)
     for start in range(0, values.shape[0], _SEARCH_CHUNK):
@@ -119,12 +121,13 @@ def first_layer_at(
 class ExactFirstLayer:
     """The target's exact layer 0 in place of the mapped one, for a peer's translated pages:
     ``source``: the peer model's table (to read the token ids back), ``target``: this engine's
-    (its rank's heads). The ids read back are remembered by the stored rows' bytes (an engine
-    writes the same bytes for a token each time it computes it), so a history translated again
-    is read back without a search."""
+    (its rank's heads); matmul_dtype: ``recover_token_ids``'. The ids read back are
+    remembered by the stored rows' bytes (an engine writes the same bytes for a token each time
+    it computes it), so a history translated again is read back without a search."""
 
     source: FirstLayerTable
     target: FirstLayerTable
+    matmul_dtype: torch.dtype = torch.float32
     known: dict[bytes, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -136,7 +139,8 @@ class ExactFirstLayer:
             ids = {row: self.known.get(row) for row in rows}
         unseen = {row: i for i, row in enumerate(rows) if ids[row] is None}
         if unseen:  # each distinct row searched once
-            found = recover_token_ids(values[list(unseen.values())], self.source).tolist()
+            rows_unseen = values[list(unseen.values())]
+            found = recover_token_ids(rows_unseen, self.source, self.matmul_dtype).tolist()
             ids.update(zip(unseen, found))
             with self._lock:
                 if len(self.known) + len(unseen) > MAX_REMEMBERED:

@@ -61,6 +61,7 @@ from ..core.errors import KVMapError, PackError, PairMismatchError
 from ..core.files import staged_file
 from ..core.mapper import KVMapper
 from ..core.spec import ModelSpec, check_models, check_pair, spec_from_pretrained
+from ..kernels import fast_matmul_dtype
 from ..models.first_layer import ExactFirstLayer, first_layer_table
 from .heads import rank_heads, ranks_covering_heads
 from .identity import DIGITS, identity_config, local_weights_digest, model_identity, split_identity
@@ -376,7 +377,9 @@ class KVMapStorage(HiCacheStorage):
         try:
             own_table = first_layer_table(self._own_path())
             return ExactFirstLayer(
-                first_layer_table(settings.model_path), own_table.for_heads(heads)
+                first_layer_table(settings.model_path),
+                own_table.for_heads(heads),
+                fast_matmul_dtype("cpu"),  # the tables stay on the CPU
             )
         except Exception as error:  # noqa: BLE001 - no weights here: serve layer 0 mapped
             return self._fallback(
