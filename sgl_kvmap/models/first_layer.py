@@ -35,7 +35,7 @@ RECOVERY_TOLERANCE = 0.02
 RECOVERY_MARGIN = 2.0
 _TABLE_CHUNK = 4096  # tokens per forward while a table is built
 _SEARCH_CHUNK = 256  # stored tokens compared with the whole vocabulary at once
-_CANDIDATES = 8  # nearest rows by the fast dtype's ranking, whose distances are taken exactly
+_CANDIDATES = 8  # nearest rows by the ranking, whose distances are then taken in float32
 MAX_REMEMBERED = 1 << 20  # stored rows whose token id an ExactFirstLayer remembers
 
 
@@ -88,14 +88,14 @@ def recover_token_ids(
     embeddings coincide are never told apart). ``matmul_dtype``: the dtype candidates are
     ranked in (the CPU's fast one, ``kernels.fast_matmul_dtype``); distances are float32."""
     rows = table.values.flatten(1)
-    fast = matmul_dtype
-    rows_fast, half_norms = rows.to(fast), rows.square().sum(1).mul(-0.5)[None].to(fast)
+    rows_ranked = rows.to(matmul_dtype)
+    half_norms = rows.square().sum(1).mul(-0.5)[None].to(matmul_dtype)
     ids = torch.full((values.shape[0],), -1, dtype=torch.long)
     for start in range(0, values.shape[0], _SEARCH_CHUNK):
         x = values[start : start + _SEARCH_CHUNK].flatten(1).float()
-        # the nearest rows maximise x.r - |r|^2 / 2 (ranked in the fast dtype, a few kept);
-        # their distances are then taken exactly
-        scores = torch.addmm(half_norms, x.to(fast), rows_fast.T)
+        # the nearest rows maximise x.r - |r|^2 / 2 (ranked in matmul_dtype, a few kept);
+        # their distances are then taken in float32
+        scores = torch.addmm(half_norms, x.to(matmul_dtype), rows_ranked.T)
         candidates = scores.topk(_CANDIDATES, dim=1).indices
         distances, order = (x[:, None] - rows[candidates]).norm(dim=2).sort(dim=1)
         best, second = distances[:, 0], distances[:, 1]
