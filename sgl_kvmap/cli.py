@@ -51,6 +51,7 @@ from .sglang.launch import (
     PrefetchDeadline,
 )
 from .sglang.settings import (
+    DERIVED_POLICIES,
     FIRST_LAYER_POLICIES,
     INNER_BACKENDS,
     MAX_CONCURRENT_TRANSLATIONS,
@@ -1192,6 +1193,14 @@ def demo(
     "own (sglang-args' --first-layer).",
 )
 @click.option(
+    "--derived",
+    type=click.Choice(DERIVED_POLICIES),
+    default=StorageSettings.derived,
+    show_default=True,
+    help="Whether the engines share the pages they compute over translated KV for their peers "
+    "to translate (sglang-args' --derived).",
+)
+@click.option(
     "--quality-floor",
     type=FloorType(),
     default=BENCH.quality_floor,
@@ -1272,6 +1281,7 @@ def bench(
     warm_opening,
     sinks,
     first_layer,
+    derived,
     quality_floor,
     store,
     live,
@@ -1329,6 +1339,7 @@ def bench(
         warm_opening=warm_opening,
         sinks=sinks,
         first_layer=first_layer,
+        derived=derived,
         prefetch_threshold=prefetch_threshold,
     )
     given = {
@@ -1421,6 +1432,7 @@ def _live_bench(names, packs, config, bar, device, port, store_path):
         prefetch_threshold=config.prefetch_threshold,
         sinks=config.sinks,
         first_layer=config.first_layer,
+        derived=config.derived,
     )
     logs = Path(store_path) / "logs"
     setup = LiveSetup(names, packs, options, port, config.deadline, logs, store=config.store)
@@ -1572,6 +1584,15 @@ def _has_gpu() -> bool:
     "host); 'mapped': the pack's map of layer 0.",
 )
 @click.option(
+    "--derived",
+    type=click.Choice(DERIVED_POLICIES),
+    default=StorageSettings.derived,
+    show_default=True,
+    help="'share': an engine stores the pages it computes over translated KV apart (never as "
+    "its own) and translates its peers' pages stored so, so a swap back after a swap still "
+    "translates; 'withhold': such pages are stored nowhere.",
+)
+@click.option(
     "--audit-translations",
     is_flag=True,
     help="Also keep every page an engine receives translated in its store (key + "
@@ -1581,7 +1602,7 @@ def _has_gpu() -> bool:
 def sglang_args(ctx, engines, packs, store, mooncake_master, mooncake_metadata, store_path,
                 page_size, port, tp_size, prefetch_policy, device, max_total_tokens, tail_pages,
                 concurrent_translations, prefetch_threshold, quality_floor, sinks, first_layer,
-                audit_translations):  # fmt: skip
+                derived, audit_translations):  # fmt: skip
     """Print the SGLang launch command of every ENGINE, sharing prefixes through sgl-kvmap."""
     from .sglang.launch import (
         engine_commands,
@@ -1604,7 +1625,7 @@ def sglang_args(ctx, engines, packs, store, mooncake_master, mooncake_metadata, 
     options = LaunchOptions(
         store, store_path, page_size, device, max_total_tokens, tail_pages,
         concurrent_translations, audit_translations, quality_floor, mooncake_master,
-        mooncake_metadata, prefetch_threshold, sinks, first_layer,
+        mooncake_metadata, prefetch_threshold, sinks, first_layer, derived,
     )  # fmt: skip
     deadline, lines = measured_deadline(
         list(packs), prefetch_policy, concurrent=concurrent_translations, device=device

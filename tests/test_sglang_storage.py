@@ -199,6 +199,54 @@ def test_alternating_turns_translate_only_what_each_engine_lacks(cluster):
     assert_logits_over_pool(b, got4, t4)
 
 
+def test_shared_derived_pages_are_translated_back_and_never_read_as_a_models_own(cluster):
+    """(d) with ``derived: share``: the pages B computes over pages it received translated are
+    stored apart (``.derived``), never as B's own; the swap back to A translates them into A's
+    pages at their true positions (A -> B -> A -> B), and an engine of B that serves only exact
+    pages finds none of them."""
+    t1 = tokens(2 * PAGE + 3, seed=6)
+    t2 = t1 + tokens(2 * PAGE, seed=7)
+    t3 = t2 + tokens(2 * PAGE, seed=8)
+    t4 = t3 + tokens(PAGE + 2, seed=9)
+    a, b = cluster.engine(0, derived="share"), cluster.engine(1, derived="share")
+    a.serve(t1)
+    got2 = b.serve(t2)  # translates pages 0-1; computes pages 2-3 over them: derived
+    assert b.storage.counters["derived_pages_stored"] == 2
+    assert cluster.files(1) == []
+    sent3 = a.serve(t3)  # a's tree holds pages 0-1; pages 2-3 come from b's derived pages
+    assert sent3.reused == 4 * PAGE
+    assert a.storage.counters["translated_pages_delivered"] == 2
+    assert a.storage.counters["derived_pages_read"] == 2
+    assert_translation_at_true_positions(
+        a, sent3, b.pool_kv(got2.slots), cluster.mapper(1, 0), 2 * PAGE, 4 * PAGE
+    )
+    assert_logits_over_pool(a, sent3, t3)
+    assert len(cluster.files(0)) == 2  # a's pages 4-5 descend from translations: apart too
+    got4 = b.serve(t4)  # b's tree holds pages 0-3; pages 4-5 from a's derived pages
+    assert got4.reused == 6 * PAGE
+    assert b.storage.counters["derived_pages_read"] == 2
+    assert_translation_at_true_positions(
+        b, got4, a.pool_kv(sent3.slots), cluster.mapper(0, 1), 4 * PAGE, 6 * PAGE
+    )
+    exact_only = cluster.engine(1, translate=False)
+    assert exact_only.serve(t2).reused == 0
+
+
+def test_derived_pages_are_stored_only_by_engines_that_share_them(cluster):
+    """Under the default, ``withhold``, an engine stores nothing it computed over translated
+    KV; a peer that shares its own derived pages is not read by an engine that withholds."""
+    t1 = tokens(2 * PAGE + 3, seed=6)
+    t2 = t1 + tokens(2 * PAGE, seed=7)
+    t3 = t2 + tokens(2 * PAGE, seed=8)
+    a, b = cluster.engine(0), cluster.engine(1, derived="share")
+    a.serve(t1)
+    b.serve(t2)
+    assert b.storage.counters["derived_pages_stored"] == 2
+    assert a.serve(t3).reused == 2 * PAGE
+    assert a.storage.counters["translated_pages_delivered"] == 0
+    assert "derived_pages_stored" not in a.storage.counters
+
+
 def test_sessions_sharing_a_system_prompt_translate_it_once(cluster):
     """(e) Two sessions open with the same two pages: the second swap finds them in the target's
     tree (translated for the first session) and translates only its own pages."""

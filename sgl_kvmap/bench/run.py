@@ -64,7 +64,9 @@ class BenchConfig:
     serves the slice's shared opening (``workload.shared_opening``) before the replay, so a
     swap's first pages are its own; sinks: whether the engines may translate a prefix's first
     page (``StorageSettings.sinks``); first_layer: whether they serve the pack's map of layer 0
-    or their own for translated tokens (``StorageSettings.first_layer``); store: the store the
+    or their own for translated tokens (``StorageSettings.first_layer``); derived: whether they
+    share the pages they compute over translated KV for their peers to translate
+    (``StorageSettings.derived``); store: the store the
     engines share, a fresh one for each replay (``replay.fresh_store``: ``file``, or
     ``mooncake``, a local master)."""
 
@@ -81,12 +83,15 @@ class BenchConfig:
     warm_opening: bool = True
     sinks: str = StorageSettings.sinks
     first_layer: str = StorageSettings.first_layer
+    derived: str = StorageSettings.derived
     store: str = "file"
 
     def __post_init__(self) -> None:
         for name in self.policies:
             parse_policy(name)
-        StorageSettings(sinks=self.sinks, first_layer=self.first_layer)  # their checks
+        StorageSettings(  # their checks
+            sinks=self.sinks, first_layer=self.first_layer, derived=self.derived
+        )
         if self.store not in INNER_BACKENDS:
             raise KVMapError(
                 f"unknown store {self.store!r}; stores are {', '.join(INNER_BACKENDS)}"
@@ -146,6 +151,7 @@ def run_bench(
                     "quality_floor": config.quality_floor,
                     "sinks": config.sinks,
                     "first_layer": config.first_layer,
+                    "derived": config.derived,
                     **tail,
                 },
                 opening=opening,
@@ -208,13 +214,15 @@ def record_in_packs(
     records: list[RequestRecord], config: BenchConfig, packs: dict, run_header: dict
 ) -> list[str]:
     """Write into each pack of ``packs`` ((sender, receiver) -> folder) the figures of the swaps
-    it translated (``report.served_record``), with how they were served (page size, sinks
-    and first-layer policies, the tail mode's tail in tokens) and on what (the run's trace and
-    command), in place of any served figures it recorded before: what the engines' quality
-    floor reads (``StorageSettings.recorded_gap_closed``). A pack none of whose swaps
-    translated anything is left as it was. Returns a line per pack saying what it did."""
+    it translated (``report.served_record``), with how they were served (page size, sinks,
+    first-layer and derived-page policies, the tail mode's tail in tokens) and on what (the
+    run's trace and command), in place of any served figures it recorded before: what the
+    engines' quality floor reads (``StorageSettings.recorded_gap_closed``). A pack none of
+    whose swaps translated anything is left as it was. Returns a line per pack saying what it
+    did."""
     from ..core.mapper import KVMapper
     from ..sglang.settings import (
+        SERVED_DERIVED,
         SERVED_FIRST_LAYER,
         SERVED_PAGE_SIZE,
         SERVED_SINKS,
@@ -236,6 +244,7 @@ def record_in_packs(
         metrics[SERVED_PAGE_SIZE] = config.workload.page_size
         metrics[SERVED_SINKS] = config.sinks
         metrics[SERVED_FIRST_LAYER] = config.first_layer
+        metrics[SERVED_DERIVED] = config.derived
         if served_key("swaps", tail=True) in figures:
             metrics[SERVED_TAIL] = config.tail_pages * config.workload.page_size
         metrics["served_trace"] = (

@@ -113,7 +113,9 @@ class LaunchOptions:
     ``prefetch_threshold``: the tokens a stored run needs before an engine fetches it (None:
     SGLang's own, 256; SGLang raises it to one page at least). ``sinks``: whether an engine
     may translate a prefix's first page (``StorageSettings.sinks``); ``first_layer``: whether
-    it serves its own layer 0 for translated tokens (``StorageSettings.first_layer``)."""
+    it serves its own layer 0 for translated tokens (``StorageSettings.first_layer``);
+    ``derived``: whether engines share the pages they compute over translated KV for their
+    peers to translate (``StorageSettings.derived``)."""
 
     store: str = StorageSettings.inner_backend
     store_path: str = STORE_PATH
@@ -129,10 +131,14 @@ class LaunchOptions:
     prefetch_threshold: int | None = PREFETCH_THRESHOLD
     sinks: str = StorageSettings.sinks
     first_layer: str = StorageSettings.first_layer
+    derived: str = StorageSettings.derived
 
     def __post_init__(self) -> None:
         StorageSettings(  # their checks
-            quality_floor=self.quality_floor, sinks=self.sinks, first_layer=self.first_layer
+            quality_floor=self.quality_floor,
+            sinks=self.sinks,
+            first_layer=self.first_layer,
+            derived=self.derived,
         )
         if self.prefetch_threshold is not None and self.prefetch_threshold < 1:
             raise KVMapError(f"prefetch threshold {self.prefetch_threshold} < 1 token")
@@ -298,6 +304,7 @@ def floor_lines(
         quality_floor=options.quality_floor,
         sinks=options.sinks,
         first_layer=options.first_layer,
+        derived=options.derived,
     )
     lines = []
     for target, peers in peers_by_engine.items():
@@ -354,6 +361,7 @@ def _command(engine, peers, options: LaunchOptions, deadline) -> list[str]:
         translate=bool(peers),
         sinks=options.sinks,
         first_layer=options.first_layer,
+        derived=options.derived,
         tail_pages=options.tail_pages,
         concurrent_translations=options.concurrent_translations,
         interface_v1=True,

@@ -18,6 +18,10 @@ this engine holds. Three facts make that decidable from the write alone:
   recomputed (the translation was discarded: it leaves the ledger, counted). A write whose
   prefix holds a ledger key descends from a translation (withheld).
 
+A withheld page the ledger does not hold as a translation is one this engine computed over
+translated KV (derived); the verdict names them, so an engine may keep them apart for its
+peers to translate (``StorageSettings.derived``), never as its own.
+
 Only what SGLang kept therefore counts: a translation it cut never withholds the engine's own
 recomputed pages. The ledger is bounded (``capacity`` pages, least recently seen dropped first;
 every write and every prefetch that names a key refreshes it): KVMapStorage sizes it to a
@@ -37,10 +41,13 @@ from typing import NamedTuple
 class Verdict(NamedTuple):
     """What a write may store. storable: its leading pages this model computed from its own
     KV; recomputed: pages the ledger held as delivered translations that the engine has since
-    computed itself (SGLang discarded the translation)."""
+    computed itself (SGLang discarded the translation); derived: the indices, after
+    ``storable``, of the pages this engine computed over translated KV (the rest after it are
+    translations being written back)."""
 
     storable: int
     recomputed: int
+    derived: tuple[int, ...] = ()
 
 
 class Provenance:
@@ -72,16 +79,20 @@ class Provenance:
         with self._lock:
             self._refresh(prefix)
             self._refresh(keys)
-            derived = any(key in self._delivered for key in prefix)
-            storable, recomputed = 0 if derived else None, 0
+            descends = any(key in self._delivered for key in prefix)
+            storable, recomputed, derived = 0 if descends else None, 0, []
             for i, (key, crc) in enumerate(zip(keys, crcs)):
                 held = self._delivered.get(key)
                 if held is not None and held != crc:
                     del self._delivered[key]
                     recomputed += 1
-                elif held is not None and storable is None:
+                    held = None
+                if held is not None and storable is None:
                     storable = i
-            return Verdict(len(keys) if storable is None else storable, recomputed)
+                elif held is None and storable is not None:
+                    derived.append(i)
+            storable = len(keys) if storable is None else storable
+            return Verdict(storable, recomputed, tuple(derived))
 
     def _refresh(self, keys: Iterable[str]) -> None:
         for key in keys:

@@ -4,8 +4,9 @@ HiCache's page keys are a hash chain over token ids: they say nothing about wher
 in its sequence, how its bytes are laid out or which model computed it, and a reader sees only
 keys. The writer knows all three: SGLang's write-through passes the page keys of the prefix
 before every batch it stores (``hicache_storage_pass_prefix_keys``), so page i of a batch sits
-at index ``len(prefix_keys) + i``. KVMapStorage writes one record per page it stores natively,
-in the same store as the page, under the page's key plus ``RECORD_SUFFIX``:
+at index ``len(prefix_keys) + i``. KVMapStorage writes one record per page it stores, in the
+same store as the page, under the page's store key plus ``RECORD_SUFFIX`` (the store key is the
+page's key, or ``derived_key`` of it for a page computed over translated KV):
 
     {"format": "sgl-kvmap-page", "version": 2, "index": 3, "parent": "<key of page 2>",
      "page": {"layout", "page_size", "layers", "heads", "head_dim", "dtype"},
@@ -33,6 +34,7 @@ RECORD_BYTES = 1024
 RECORD_FORMAT = "sgl-kvmap-page"
 RECORD_VERSION = 2
 RECORD_SUFFIX = ".kvmap"  # a page's record lives in the page's store under key + this
+DERIVED_SUFFIX = ".derived"  # a page computed over translated KV, stored apart: key + this
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,13 @@ class PageRecord:
 def record_key(key: str) -> str:
     """The store key of page ``key``'s record."""
     return key + RECORD_SUFFIX
+
+
+def derived_key(key: str) -> str:
+    """The store key of page ``key`` when its writer computed it over KV it received
+    translated (``StorageSettings.derived``): never read as that model's own page; its
+    record lives under ``record_key(derived_key(key))``."""
+    return key + DERIVED_SUFFIX
 
 
 def empty_record() -> torch.Tensor:

@@ -26,6 +26,7 @@ BACKEND = {
 INNER_BACKENDS = ("file", "mooncake")
 SINK_POLICIES = ("translate", "native")
 FIRST_LAYER_POLICIES = ("mapped", "exact")
+DERIVED_POLICIES = ("withhold", "share")
 MAX_CONCURRENT_TRANSLATIONS = 64
 # The gap closed a pack records (``EvalReport.summary()``, written by ``sgl-kvmap eval --record``
 # and the demo): with the target's tail recomputed, and translating every token.
@@ -50,6 +51,7 @@ SERVED_GAP_CLOSED_TAIL = served_key("gap_closed_low", tail=True)
 SERVED_GAP_CLOSED = served_key("gap_closed_low", tail=False)
 SERVED_TAIL, SERVED_PAGE_SIZE, SERVED_SINKS = "served_tail", "served_page_size", "served_sinks"
 SERVED_FIRST_LAYER = "served_first_layer"  # absent: recorded before it was a choice, "mapped"
+SERVED_DERIVED = "served_derived"  # absent: recorded before it was a choice, "withhold"
 DEFAULT_QUALITY_FLOOR = 0.0  # better than staying on the source model
 
 
@@ -107,7 +109,12 @@ class StorageSettings:
     pack's map of layer 0; "exact" serves this model's own layer 0 for every translated token
     whose id the peer's stored layer-0 values give back (``models.first_layer``: it needs both
     models' weight files on this host, read once when the server starts; a peer without them
-    is translated with layer 0 mapped, counted ``first_layer_unavailable``).
+    is translated with layer 0 mapped, counted ``first_layer_unavailable``). derived: what
+    happens to the pages this engine computes over KV it received translated, which are never
+    stored as its own: "withhold" (the default) stores them nowhere; "share" stores them
+    apart, under the page's key plus ``.derived`` with their records, never read as this
+    model's own, and translates peers' pages stored so, so a swap back to a peer after a swap
+    into this engine translates what this engine computed (a second-generation translation).
     concurrent_translations: swaps translated at once
     (each on a worker thread of its own; a swap arriving while all are busy is prefilled,
     counted); the prefetch deadline ``sglang-args`` sets covers this many at once.
@@ -132,6 +139,7 @@ class StorageSettings:
     # 48 tokens at sglang-args' 16-token pages (docs/LOG.md, "the tail at 16-token pages")
     tail_pages: int = 3
     first_layer: str = "mapped"
+    derived: str = "withhold"
     concurrent_translations: int = 2
     interface_v1: bool = False
     model_path: str = ""
@@ -161,6 +169,8 @@ class StorageSettings:
             raise KVMapError(
                 f"first_layer must be one of {FIRST_LAYER_POLICIES}, got {self.first_layer!r}"
             )
+        if self.derived not in DERIVED_POLICIES:
+            raise KVMapError(f"derived must be one of {DERIVED_POLICIES}, got {self.derived!r}")
         floor = self.quality_floor
         if floor is not None and (
             type(floor) not in (int, float) or not -1 <= floor <= 1 or not math.isfinite(floor)
@@ -195,8 +205,8 @@ class StorageSettings:
         """The gap closed a pack's ``metrics`` record for an engine of these settings and
         ``page_size``-token pages, by its key (None when absent or not a finite number): the
         served figure (``sgl-kvmap bench --record``) when it was measured on engines that
-        served as this one does (the same tail in tokens, page size, sinks and first-layer
-        policies), else
+        served as this one does (the same tail in tokens, page size, sinks, first-layer and
+        derived-page policies), else
         the library's (``sgl-kvmap eval --record``): the tail's figure when this engine
         recomputes a tail, else the whole translation's."""
         metrics = metrics if isinstance(metrics, dict) else {}
@@ -206,6 +216,7 @@ class StorageSettings:
             metrics.get(SERVED_PAGE_SIZE) == page_size
             and metrics.get(SERVED_SINKS) == self.sinks
             and metrics.get(SERVED_FIRST_LAYER, "mapped") == self.first_layer
+            and metrics.get(SERVED_DERIVED, "withhold") == self.derived
             and (not self.tail_pages or metrics.get(SERVED_TAIL) == self.tail_pages * page_size)
         )
         if served_here and _finite(metrics.get(served)) is not None:

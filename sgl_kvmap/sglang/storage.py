@@ -19,9 +19,11 @@ reads its own pages as usual, and adds:
 Rules (docs/sglang.md):
 - Native pages always win; translation is off unless the operator enables it.
 - Provenance (``provenance``): no page that is, or descends from, a translation this engine
-  holds is ever stored as this model's page: translated KV is never served as exact KV, nor
-  becomes the source of a further translation. A write without prefix keys (PD decode-side
-  offload) cannot be checked and stores nothing.
+  holds is ever stored as this model's page: translated KV is never served as exact KV. By
+  default none becomes the source of a further translation either; an engine set to share
+  them (``StorageSettings.derived``) stores the pages it computed over translated KV apart
+  (``records.derived_key``), where only a peer's translation reads them. A write without
+  prefix keys (PD decode-side offload) cannot be checked and stores nothing.
 - Sinks: by default a prefix's first page is never translated (``StorageSettings.sinks``): the
   engine computes it, so a translated opening never becomes the device KV every later
   request reads.
@@ -52,6 +54,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
@@ -68,7 +71,7 @@ from .identity import DIGITS, identity_config, local_weights_digest, model_ident
 from .jobs import Job, JobPool
 from .pages import PageFormat
 from .provenance import Provenance, Verdict
-from .records import PageRecord, empty_record, page_crc32, record_key
+from .records import PageRecord, derived_key, empty_record, page_crc32, record_key
 from .settings import PeerSettings, StorageSettings
 from .translation import staging, translate_run
 
@@ -99,6 +102,15 @@ class Translated:
     short: _Skip | None = None
 
 
+class StoredPage(NamedTuple):
+    """A peer's page as a run holds it: name: its store key (the page's key, or its
+    ``derived_key`` for a page the peer computed over translated KV); records: its record from
+    each of the peer's ranks that hold it."""
+
+    name: str
+    records: dict[int, PageRecord]
+
+
 @dataclasses.dataclass
 class Peer:
     """A peer engine whose stored pages this engine translates.
@@ -108,7 +120,8 @@ class Peer:
     mapper, restricted to this rank's target heads and moved to ``device``; weights: the digest
     its records must name for the peer's weights (``identity``: from the peer's model folder
     when this host has its weight files, else pinned to the first record read); first_layer:
-    the tables that give translated tokens this engine's exact layer 0 (None: mapped)."""
+    the tables that give translated tokens this engine's exact layer 0 (None: mapped);
+    derived: also translate the pages the peer computed over translated KV and stored apart."""
 
     settings: PeerSettings
     spec: ModelSpec
@@ -118,6 +131,7 @@ class Peer:
     device: torch.device
     weights: str | None
     first_layer: ExactFirstLayer | None = None
+    derived: bool = False
 
     @property
     def name(self) -> str:
@@ -127,26 +141,44 @@ class Peer:
         heads = len(rank_heads(self.spec.num_kv_heads, self.settings.tp_size, rank))
         return (page_size, self.spec.num_layers, heads, self.spec.head_dim)
 
-    def records(self, keys: list[str], page_size: int):
-        """The records of the leading ``keys`` every rank has with its page, each checked
+    def records(self, keys: list[str], page_size: int) -> tuple[list[StoredPage], _Skip | None]:
+        """The leading ``keys`` every rank has stored with its record, each record checked
         against what this pair needs, and why they stop before the peer's last page, if they do
         (a _Skip). Asking for the pages leases them in a store with leases (Mooncake, for its
         ``default_kv_lease_ttl``): a page promised here is still there when the job reads it,
         unless the lease runs out first."""
-        names = [record_key(key) for key in keys]
-        held = min(self.stores[rank].batch_exists(names) for rank in self.ranks)
-        paged = min(self.stores[r].batch_exists(keys[:held]) for r in self.ranks) if held else 0
+        names = self._stored_names(keys)
+        held = len(names)
+        paged = self._leading(names)
         found = []
         try:
             for key, name in zip(keys[:paged], names):
-                found.append(
-                    {rank: self._record(key, name, rank, page_size) for rank in self.ranks}
-                )
+                records = {rank: self._record(key, name, rank, page_size) for rank in self.ranks}
+                found.append(StoredPage(name, records))
         except _Skip as skip:
             return found, skip
         if paged < held:
             return found, _Skip("peer_page_lost", f"{self.name} lost page {keys[paged]}")
         return found, self._unrecorded(keys, held)
+
+    def _stored_names(self, keys: list[str]) -> list[str]:
+        """The store key of each leading page of ``keys`` whose record every rank holds: the
+        page's key, else (``derived``) its ``derived_key``."""
+        names: list[str] = []
+        while True:
+            rest = keys[len(names) :]
+            names += rest[: self._leading([record_key(key) for key in rest])]
+            rest = keys[len(names) :]
+            if not rest or not self.derived:
+                return names
+            apart = self._leading([record_key(derived_key(key)) for key in rest])
+            if not apart:
+                return names
+            names += [derived_key(key) for key in rest[:apart]]
+
+    def _leading(self, names: list[str]) -> int:
+        """How many leading ``names`` every rank's store holds."""
+        return min(self.stores[rank].batch_exists(names) for rank in self.ranks) if names else 0
 
     def _unrecorded(self, keys: list[str], held: int) -> _Skip | None:
         """A page the peer stored without its record (lost, evicted or never written), right
@@ -156,8 +188,9 @@ class Peer:
         return _Skip("record_missing", f"{self.name} stored page {keys[held]} without its record")
 
     def _record(self, key: str, name: str, rank: int, page_size: int) -> PageRecord:
+        """Page ``key``'s record, stored for the page under store key ``name``, from ``rank``."""
         try:
-            data = self.stores[rank].get(name, empty_record())
+            data = self.stores[rank].get(record_key(name), empty_record())
         except OSError as error:  # a record file of another size (a short read)
             raise _Skip("record_invalid", f"page {key}'s record: {error}") from None
         if data is None:
@@ -203,34 +236,34 @@ class Peer:
                 f"translates pages of weights {self.weights}",
             )
 
-    def tokens(self, keys: list[str], records: list[dict[int, PageRecord]], job: Job):
-        """The leading pages of ``keys`` that read back as recorded, as [2, tokens, layers,
-        heads, dim] (every head: the ranks joined) in this thread's staging buffer, and why
-        they stop short, if they do."""
-        page = next(iter(records[0].values())).page
+    def tokens(self, keys: list[str], stored: list[StoredPage], job: Job):
+        """The leading pages of ``keys`` (stored as ``stored``) that read back as recorded, as
+        [2, tokens, layers, heads, dim] (every head: the ranks joined) in this thread's staging
+        buffer, and why they stop short, if they do."""
+        page = next(iter(stored[0].records.values())).page
         size, heads = page.page_size, self.spec.num_kv_heads
         shape = (2, len(keys) * size, self.spec.num_layers, heads, self.spec.head_dim)
         source = staging("source", shape, page.dtype)
         read = 0
         try:
-            for key, key_records in zip(keys, records):
+            for key, entry in zip(keys, stored):
                 if job.stopped():
                     raise _Skip("deadline", f"the prefetch deadline passed at page {key}")
-                self._read(key, key_records, source[:, read * size : (read + 1) * size])
+                self._read(key, entry, source[:, read * size : (read + 1) * size])
                 read += 1
         except _Skip as skip:
             return source[:, : read * size].contiguous(), skip
         return source, None
 
-    def _read(self, key: str, records: dict[int, PageRecord], out: torch.Tensor) -> None:
+    def _read(self, key: str, entry: StoredPage, out: torch.Tensor) -> None:
         """Page ``key`` of every rank, checked against its record, into ``out``: [2, page,
         layers, heads, dim]."""
         head = 0
         for rank in self.ranks:
-            record = records[rank]
+            record = entry.records[rank]
             buffer = staging(("page", rank), (record.page.numel,), record.page.dtype)
             try:
-                flat = self.stores[rank].get(key, buffer)
+                flat = self.stores[rank].get(entry.name, buffer)
             except OSError as error:  # a page file of another size (a short read)
                 raise _Skip("peer_page_damaged", f"page {key}: {error}") from None
             if flat is None:
@@ -363,6 +396,7 @@ class KVMapStorage(HiCacheStorage):
             device=device,
             weights=_short(local_weights_digest(settings.model_path)),
             first_layer=self._first_layer(settings, own),
+            derived=self.settings.derived == "share",
         )
 
     def _first_layer(self, settings: PeerSettings, own: ModelSpec) -> ExactFirstLayer | None:
@@ -445,13 +479,13 @@ class KVMapStorage(HiCacheStorage):
         if job is not None:  # a hit query repeated for a run already being translated
             return _covered(job, keys)
         runs = [(peer, self._run(peer, keys, parent)) for peer in self.peers]
-        peer, records = max(runs, key=lambda run: len(run[1]))
-        records = records[: max(0, len(records) - self.settings.tail_pages)]
-        below = held is not None and (held + len(records)) * self.page.page_size < self._timeouts[3]
-        if not records or below:
+        peer, stored = max(runs, key=lambda run: len(run[1]))
+        stored = stored[: max(0, len(stored) - self.settings.tail_pages)]
+        below = held is not None and (held + len(stored)) * self.page.page_size < self._timeouts[3]
+        if not stored or below:
             return 0
-        run = keys[: len(records)]
-        job = self.jobs.submit(run, self._deadline(requested), self._work(peer, records))
+        run = keys[: len(stored)]
+        job = self.jobs.submit(run, self._deadline(requested), self._work(peer, stored))
         if job is None:
             self._fallback("translation_busy", f"all {self.jobs.slots} translation workers busy")
             return 0
@@ -459,16 +493,16 @@ class KVMapStorage(HiCacheStorage):
             self._staged.update(dict.fromkeys(run, job))
         return len(run)
 
-    def _run(self, peer: Peer, keys: list[str], parent: str | None) -> list:
-        """The records of the leading ``keys`` ``peer`` stored with valid, chained records.
-        ``parent``: the key before ``keys[0]``, when known. Why the run ends before the peer's
-        last page, if it does, is counted."""
-        run: list[dict[int, PageRecord]] = []
+    def _run(self, peer: Peer, keys: list[str], parent: str | None) -> list[StoredPage]:
+        """The leading ``keys`` ``peer`` stored with valid, chained records. ``parent``: the
+        key before ``keys[0]``, when known. Why the run ends before the peer's last page, if it
+        does, is counted."""
+        run: list[StoredPage] = []
         try:
             found, short = peer.records(keys, self.page.page_size)
-            for key, records in zip(keys, found):
-                self._check_chain(records, run, parent, key)
-                run.append(records)
+            for key, entry in zip(keys, found):
+                self._check_chain(entry.records, run, parent, key)
+                run.append(entry)
                 parent = key
             if short is not None:
                 raise short
@@ -478,16 +512,18 @@ class KVMapStorage(HiCacheStorage):
             self._fallback("peer_store_error", f"{peer.name}: {error}")
         return run
 
-    def _check_chain(self, records: dict[int, PageRecord], run: list, parent, key: str) -> None:
+    def _check_chain(
+        self, records: dict[int, PageRecord], run: list[StoredPage], parent, key: str
+    ) -> None:
         first = next(iter(records.values()))
         same = (first.index, first.parent, first.page.dtype)
         if any((r.index, r.parent, r.page.dtype) != same for r in records.values()):
             raise _Skip("record_invalid", f"the peer's ranks disagree on page {key}")
-        if run and first.page.dtype != next(iter(run[0].values())).page.dtype:
+        if run and first.page.dtype != next(iter(run[0].records.values())).page.dtype:
             raise _Skip("record_invalid", f"page {key} changes the run's dtype")
         if parent is not None and first.parent != parent:
             raise _Skip("record_invalid", f"page {key} does not follow page {parent}")
-        if run and first.index != next(iter(run[-1].values())).index + 1:
+        if run and first.index != next(iter(run[-1].records.values())).index + 1:
             raise _Skip("record_invalid", f"page {key} breaks the recorded positions")
         if first.index == 0 and self.settings.sinks == "native":
             raise _Skip("no_native_sink_page", "the prefix's first page is not stored natively")
@@ -501,14 +537,16 @@ class KVMapStorage(HiCacheStorage):
         seconds = base + per_ki_token * requested_pages * self.page.page_size / 1024
         return time.monotonic() + DEADLINE_SHARE * seconds
 
-    def _work(self, peer: Peer, records: list):
-        """The job translating ``records``' pages of ``peer`` (runs on a worker thread)."""
+    def _work(self, peer: Peer, stored: list[StoredPage]):
+        """The job translating ``peer``'s ``stored`` pages (runs on a worker thread)."""
 
         def work(job: Job) -> Translated:
-            source, short = peer.tokens(job.keys, records, job)
+            source, short = peer.tokens(job.keys, stored, job)
             if not source.shape[1]:
                 return Translated([], [], short)
-            first = next(iter(records[0].values())).first_token
+            read = zip(stored[: source.shape[1] // self.page.page_size], job.keys)
+            self._count("derived_pages_read", sum(entry.name != key for entry, key in read))
+            first = next(iter(stored[0].records.values())).first_token
             pages, exact = translate_run(peer.mapper, source, first, self.page, peer.first_layer)
             if peer.first_layer is not None:
                 self._count("first_layer_exact_tokens", exact)
@@ -633,25 +671,30 @@ class KVMapStorage(HiCacheStorage):
         self, keys: list[str], host_indices: torch.Tensor, extra_info=None
     ) -> list[bool]:
         """Store this model's pages with their records, except translated pages and every page
-        after one (``provenance``). Withheld pages report success, so HiCache does not retry
-        them."""
-        host, prefix = self.mem_pool_host, _prefix(extra_info)
+        after one (``provenance``); of those, the pages this engine computed over translated KV
+        are stored apart when it shares them (``StorageSettings.derived``). Withheld pages
+        report success, so HiCache does not retry them."""
+        host, prefix, keys = self.mem_pool_host, _prefix(extra_info), list(keys)
         pages = [
             host.get_data_page(int(host_indices[i * host.page_size])) for i in range(len(keys))
         ]
         crcs = [page_crc32(page) for page in pages] if self.provenance is not None else []
         with self._own_pages:
-            keep = self._storable(prefix, list(keys), crcs)
-            stored = bool(self.inner.batch_set(list(keys[:keep]), pages[:keep])) if keep else True
+            verdict = self._verdict(prefix, keys, crcs)
+            keep = verdict.storable
+            stored = bool(self.inner.batch_set(keys[:keep], pages[:keep])) if keep else True
         if stored and keep and self.identity is not None:
-            self._write_records(prefix, keys[:keep], crcs[:keep])
+            self._write_records(prefix, keys, crcs, range(keep), keys[:keep])
         self._count("stored_pages", keep if stored else 0)
+        if verdict.derived and self.settings.derived == "share" and self.identity is not None:
+            self._store_derived(prefix, keys, pages, crcs, verdict.derived)
         self._publish()
         return [stored] * keep + [True] * (len(keys) - keep)
 
-    def _storable(self, prefix: list[str] | None, keys: list[str], crcs: list[int]) -> int:
-        """How many leading ``keys`` (bytes of CRC-32 ``crcs``) this engine computed from its
-        own KV; the rest are counted as withheld."""
+    def _verdict(self, prefix: list[str] | None, keys: list[str], crcs: list[int]) -> Verdict:
+        """Which of ``keys`` (bytes of CRC-32 ``crcs``) this engine computed from its own KV
+        (the leading ``storable``) or over translated KV (``derived``); the pages after the
+        storable ones are counted as withheld."""
         if prefix is None:  # PD decode-side offload: nothing says what these pages descend from
             self._fallback("prefix_keys_missing", "pages written without prefix keys: not stored")
             verdict = Verdict(0, 0)
@@ -661,20 +704,29 @@ class KVMapStorage(HiCacheStorage):
             verdict = self.provenance.verdict(prefix, keys, crcs)
         self._count("pages_withheld", len(keys) - verdict.storable)
         self._count("translated_pages_discarded", verdict.recomputed)
-        return verdict.storable
+        return verdict
 
-    def _write_records(self, prefix: list[str], keys: list[str], crcs: list[int]) -> None:
-        config = self.storage_config
-        names, records = [], []
-        for i, (key, crc) in enumerate(zip(keys, crcs)):
+    def _store_derived(self, prefix, keys, pages, crcs, derived: tuple[int, ...]) -> None:
+        """Store pages ``derived`` of a write apart (``derived_key``), with their records, for
+        peers to translate."""
+        names = [derived_key(keys[i]) for i in derived]
+        if self.inner.batch_set(names, [pages[i] for i in derived]):
+            self._write_records(prefix, keys, crcs, derived, names)
+            self._count("derived_pages_stored", len(derived))
+
+    def _write_records(self, prefix, keys, crcs, indices, names) -> None:
+        """The records of pages ``indices`` of a write of ``keys`` (bytes of CRC-32 ``crcs``)
+        after pages ``prefix``, stored for the pages under store keys ``names``."""
+        config, records = self.storage_config, []
+        for i in indices:
             parent = keys[i - 1] if i else (prefix[-1] if prefix else "")
-            index = len(prefix) + i
             rank, size = config.tp_rank, config.tp_size
-            record = PageRecord(index, parent, self.page, rank, size, self.identity, crc)
-            names.append(record_key(key))
+            record = PageRecord(
+                len(prefix) + i, parent, self.page, rank, size, self.identity, crcs[i]
+            )
             records.append(record.to_tensor())
-        if not self.inner.batch_set(names, records):
-            self._fallback("record_write_failed", f"no records for pages {keys[0]}..")
+        if not self.inner.batch_set([record_key(name) for name in names], records):
+            self._fallback("record_write_failed", f"no records for pages {names[0]}..")
 
     # -- the rest of the interface: this model's own pages, as the inner store has them ------
 
@@ -690,7 +742,7 @@ class KVMapStorage(HiCacheStorage):
     def batch_set(self, keys, values=None, target_locations=None, target_sizes=None) -> bool:
         """SGLang's non-v1 write carries no prefix keys: what the pages descend from cannot be
         checked, so none is stored (they report success, so HiCache does not retry)."""
-        self._storable(None, list(keys), [])
+        self._verdict(None, list(keys), [])
         self._publish()
         return True
 
