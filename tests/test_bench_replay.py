@@ -383,6 +383,7 @@ def test_the_command_records_the_served_figures_in_the_packs(deployment, trace, 
         if any(key.startswith("served_") for key in metrics):
             assert metrics["served_page_size"] == 16 and metrics["served_sinks"] == "native"
             assert metrics["served_first_layer"] == "mapped"
+            assert metrics["served_derived"] == "withhold"
             assert metrics["served_command"].startswith("sgl-kvmap bench ")
             assert f"recorded in {pack}" in result.stderr
         if "served_swaps_tail" in metrics:

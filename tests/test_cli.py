@@ -386,7 +386,8 @@ def test_sglang_args_say_which_packs_clear_the_quality_floor(fitted_pack, model_
     assert "bench --record` on a trace); used: above the quality floor 0.3" in floors[0]
     floors, _ = printed(served, "--tail-pages", "0")
     assert "records served_gap_closed_low -0.300" in floors[0] and "NOT used" in floors[0]
-    for other in (["--tail-pages", "2"], ["--page-size", "32"], ["--sinks", "translate"]):
+    others = (["--tail-pages", "2"], ["--page-size", "32"], ["--sinks", "translate"])
+    for other in (*others, ["--derived", "share"]):
         floors, _ = printed(served, "--quality-floor", "0.3", *other)
         assert "records eval_gap_closed_tail 0.250" in floors[0] and "NOT used" in floors[0]
     result = succeed([*args, "--page-size", "16", "--prefetch-threshold", "32"])
@@ -394,6 +395,13 @@ def test_sglang_args_say_which_packs_clear_the_quality_floor(fitted_pack, model_
         flags = launch_flags(shlex.split(command))
         extra = json.loads(flags["--hicache-storage-backend-extra-config"])
         assert flags["--page-size"] == "16" and extra["prefetch_threshold"] == 32
+        assert extra["derived"] == "withhold"
+    for command in commands_of(succeed([*args, "--derived", "share"]).output):
+        extra = json.loads(
+            launch_flags(shlex.split(command))["--hicache-storage-backend-extra-config"]
+        )
+        assert extra["derived"] == "share"
+    refused_as_usage([*args, "--derived", "keep"], "--derived")
     refused_as_usage([*args, "--prefetch-threshold", "0"], "--prefetch-threshold")
     for bad in ("1.5", "nan", "-2", "high"):
         refused_as_usage(

@@ -55,6 +55,7 @@ pytest.importorskip("sglang", reason="the live-server tests need SGLang 0.5.23 (
 
 from sgl_kvmap.sglang.client import LiveClient  # noqa: E402
 from sgl_kvmap.sglang.launch import PAGE_SIZE, PREFETCH_THRESHOLD  # noqa: E402
+from sgl_kvmap.sglang.records import derived_key  # noqa: E402
 from sgl_kvmap.sglang.servers import (  # noqa: E402
     LiveServer,
     free_port_base,
@@ -83,8 +84,9 @@ ENVIRONMENT = {
 class Deployment:
     """The printed command lines of one ``sglang-args`` call and the servers running them.
     ``store``: the file store's folder (its counters' folder with ``store_args``, sglang-args'
-    options of another store); ``env``: the variables added to each printed line; ``sinks``
-    and ``first_layer``: sglang-args' ``--sinks`` and ``--first-layer`` (None: its default)."""
+    options of another store); ``env``: the variables added to each printed line; ``sinks``,
+    ``first_layer`` and ``derived``: sglang-args' ``--sinks``, ``--first-layer`` and
+    ``--derived`` (None: its default)."""
 
     def __init__(
         self,
@@ -97,6 +99,7 @@ class Deployment:
         env: dict[str, str] | None = None,
         sinks: str | None = None,
         first_layer: str | None = None,
+        derived: str | None = None,
     ):
         self.folder, self.store = folder, Path(store)
         self.store.mkdir(parents=True, exist_ok=True)
@@ -112,6 +115,7 @@ class Deployment:
         args += ["--prefetch-policy", "wait_complete"]
         args += ["--sinks", sinks] if sinks else []
         args += ["--first-layer", first_layer] if first_layer else []
+        args += ["--derived", derived] if derived else []
         self.lines = sglang_args_lines(
             [*args, "--port", str(port)], program=sgl_kvmap_program(), env=self.env
         )
@@ -279,11 +283,12 @@ def test_bs_kv_for_the_translated_pages_is_the_translation_of_as(
 
 
 def assert_translated(
-    store, sender: str, receiver: str, keys: list[str], pack, own_first_layer=None
+    store, sender: str, receiver: str, keys: list[str], pack, own_first_layer=None, stored_as=None
 ) -> None:
     """(``store``: the file store's folder, or a ``Deployment``, read through its ``reader``.)
     The receiver's audit copies of pages ``keys`` (its store, key + ``.translated``) equal
-    ``pack``'s translation of the sender's stored pages at the positions its records give,
+    ``pack``'s translation of the sender's stored pages (under their keys, or the store keys
+    ``stored_as``) at the positions its records give,
     computed here as a worker computes it (the products in bfloat16 or float32, whichever the
     server's CPU multiplies faster: both are tried). The receiver's pages use the sender's KV
     dtype (both servers keep their KV in one dtype here). ``own_first_layer``: (the
@@ -296,7 +301,7 @@ def assert_translated(
     from sgl_kvmap.kernels import PagedKV, translate_pages
     from sgl_kvmap.sglang.pages import PageFormat
 
-    records, source = stored_pages(store, sender, keys)
+    records, source = stored_pages(store, sender, stored_as or keys)
     received = reader_of(store, receiver)
     page = records[0].page
     assert [r.index for r in records] == list(range(records[0].index, records[0].index + len(keys)))
@@ -460,7 +465,8 @@ def test_concurrent_sessions_on_both_servers(live):
 def test_a_warmed_opening_stays_the_engines_own_and_only_what_follows_is_translated(
     served_pair, tmp_path
 ):
-    """Servers launched with sglang-args' defaults and ``--first-layer exact``: ``sgl-kvmap
+    """Servers launched with sglang-args' defaults, ``--first-layer exact`` and ``--derived
+    share``: ``sgl-kvmap
     warm`` (its command line, run as an operator runs it once the servers are healthy) serves
     a shared opening of six pages and a bit on A and then on B. B computes the opening itself
     although A stored it first (under ``--sinks translate`` it would translate A's first pages,
@@ -468,7 +474,11 @@ def test_a_warmed_opening_stays_the_engines_own_and_only_what_follows_is_transla
     begins with the opening, served by A and then swapped to B: B reports the opening's pages
     as device hits and only A's pages after them, less the tail, as storage hits (translated);
     the pages B received translated hold B's own layer 0 for their tokens (read back from A's
-    stored layer 0) and the pack's translation of A's pages in every other layer."""
+    stored layer 0) and the pack's translation of A's pages in every other layer. B stores the
+    pages it computed after them apart (``.derived``), none as its own; the session's next turn,
+    back on A, reports A's own pages as device hits and B's derived pages after them, less the
+    tail, as storage hits, and A received them as the pack b -> a's translation of them, with
+    A's own layer 0."""
     from click.testing import CliRunner
 
     from sgl_kvmap.cli import main
@@ -480,6 +490,7 @@ def test_a_warmed_opening_stays_the_engines_own_and_only_what_follows_is_transla
         free_port_base(2),
         tmp_path / "store",
         first_layer="exact",
+        derived="share",
     )
     try:
         tail = live.extra_config("b")["tail_pages"]
@@ -499,10 +510,15 @@ def test_a_warmed_opening_stays_the_engines_own_and_only_what_follows_is_transla
         for key in page_hashes(opening):
             assert not (live.store / f"{key}.translated_{NAMES['b']}_0_1.bin").exists()
         with live.client("a", "b") as client:
-            history = first_turn(client, live, "a", [*opening, *prompt(301, 330)])
-            second = [*history, *prompt(302, 60)]
+            history = first_turn(client, live, "a", [*opening, *prompt(301, 200)])
+            second = [*history, *prompt(302, 120)]
             generation = client.generate("b", second, ANSWER)
-        stored = min(leading(page_files(live.store, "a", second)), (len(second) - 1) // PAGE)
+            stored = min(leading(page_files(live.store, "a", second)), (len(second) - 1) // PAGE)
+            back = [*second, *generation.output_ids]
+            computed = (len(back) - 1) // PAGE  # B's pages of KV: after stored - tail, derived
+            wait_derived(live, "b", back, range(stored - tail, computed))
+            third = [*back, *prompt(303, 30)]  # 480 tokens with its answer: the models hold 512
+            returned = client.generate("a", third, ANSWER)
         translated_pages = stored - len(opening) // PAGE - tail
         assert translated_pages * PAGE >= THRESHOLD
         assert generation.cached == {"device": held, "host": 0, "storage": translated_pages * PAGE}
@@ -512,8 +528,33 @@ def test_a_warmed_opening_stays_the_engines_own_and_only_what_follows_is_transla
         own_first_layer = (served_pair["models"][1].model, second)
         pack = served_pair["packs"][0, 1]
         assert_translated(live, NAMES["a"], NAMES["b"], keys, pack, own_first_layer)
+        assert not any(page_files(live.store, "b", back)[first:])
+        device = returned.cached["device"] // PAGE
+        pages = min(computed, (len(third) - 1) // PAGE) - device - tail
+        assert device >= stored - tail and pages * PAGE >= THRESHOLD
+        assert returned.cached == {"device": device * PAGE, "host": 0, "storage": pages * PAGE}
+        keys = page_hashes(third)[device : device + pages]
+        own_first_layer = (served_pair["models"][0].model, third)
+        pack = served_pair["packs"][1, 0]
+        stored_as = [derived_key(key) for key in keys]
+        assert_translated(live, NAMES["b"], NAMES["a"], keys, pack, own_first_layer, stored_as)
     finally:
         live.stop("a", "b")
+
+
+def wait_derived(live: Deployment, model: str, tokens: list[int], pages: range) -> None:
+    """Until ``model``'s write-through has stored pages ``pages`` of ``tokens`` apart, as
+    pages it computed over translated KV (``records.derived_key``)."""
+    suffix = f"_{NAMES[model]}_0_1.bin"
+    keys = page_hashes(tokens)[pages.start : pages.stop]
+    files = [live.store / f"{derived_key(key)}{suffix}" for key in keys]
+    deadline = time.monotonic() + STORE_TIMEOUT_S
+    while not all(file.exists() for file in files):
+        if time.monotonic() > deadline:
+            found = sum(file.exists() for file in files)
+            raise AssertionError(f"{model} stored {found} of {len(files)} derived pages")
+        time.sleep(0.2)
+    time.sleep(0.5)
 
 
 def test_a_restarted_b_never_serves_translated_pages_as_its_own(live, swapped_session):

@@ -357,6 +357,10 @@ SERVED = {"served_tail": PAGE, "served_page_size": PAGE, "served_sinks": "transl
              "served_first_layer": "exact"}, 0.0, False),  # served with another layer 0
         (1, {"eval_gap_closed_tail": -0.1, **SERVED, "served_gap_closed_tail_low": 0.2,
              "served_first_layer": "mapped"}, 0.0, True),  # as this engine serves it
+        (1, {"eval_gap_closed_tail": -0.1, **SERVED, "served_gap_closed_tail_low": 0.2,
+             "served_derived": "share"}, 0.0, False),  # served sharing derived pages
+        (1, {"eval_gap_closed_tail": -0.1, **SERVED, "served_gap_closed_tail_low": 0.2,
+             "served_derived": "withhold"}, 0.0, True),
     ],
 )  # fmt: skip
 def test_a_pack_translates_only_above_the_quality_floor(
@@ -595,6 +599,8 @@ def test_a_pack_changed_on_disk_while_serving_changes_nothing(cluster, deploymen
         ({"peers": [{"model_name": "x"}]}, "has no pack"),
         ({"sinks": "maybe"}, "sinks must be one of"),
         ({"first_layer": "own"}, "first_layer must be one of"),
+        ({"derived": True}, "derived must be a JSON string"),
+        ({"derived": "keep"}, "derived must be one of"),
         ({"inner_backend": "hf3fs"}, "not supported by sgl-kvmap"),
     ],
 )
