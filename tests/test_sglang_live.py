@@ -191,13 +191,15 @@ def prompt(seed: int, length: int) -> list[int]:
     return [rng.randrange(3, 100) for _ in range(length)]
 
 
-def page_files(store: Path, model: str, tokens: list[int]) -> list[bool]:
-    """For each full page of ``tokens``: whether ``model``'s page file is in the store."""
+def page_files(store: Path, model: str, tokens: list[int], derived: bool = False) -> list[bool]:
+    """For each full page of ``tokens``: whether ``model``'s page file is in the store (with
+    ``derived``: its file of the page computed over translated KV, ``records.derived_key``)."""
     from sglang.srt.mem_cache.utils import get_hash_str
 
     full = len(tokens) // PAGE * PAGE
     suffix = f"_{NAMES[model]}_0_1.bin"
-    return [(store / f"{h}{suffix}").exists() for h in get_hash_str(tokens[:full], None, PAGE)]
+    hashes = get_hash_str(tokens[:full], None, PAGE)
+    return [(store / f"{derived_key(h) if derived else h}{suffix}").exists() for h in hashes]
 
 
 def leading(flags: list[bool]) -> int:
@@ -205,13 +207,17 @@ def leading(flags: list[bool]) -> int:
 
 
 def wait_stored(live: Deployment, model: str, tokens: list[int], pages: int) -> None:
-    """Until ``model``'s write-through has stored the first ``pages`` pages of ``tokens`` (and a
-    moment more, for what is written beside them)."""
+    """Until ``model``'s write-through has stored the first ``pages`` pages of ``tokens``."""
+    wait_for(lambda: leading(live.stored(model, tokens)), pages, f"{model} stored", "pages")
+
+
+def wait_for(count, want: int, what: str, unit: str) -> None:
+    """Until ``count()`` reaches ``want`` (and a moment more, for what is written beside the
+    pages it counts), at most ``STORE_TIMEOUT_S``."""
     deadline = time.monotonic() + STORE_TIMEOUT_S
-    while leading(live.stored(model, tokens)) < pages:
+    while count() < want:
         if time.monotonic() > deadline:
-            found = leading(live.stored(model, tokens))
-            raise AssertionError(f"{model} stored {found} of {pages} pages in {STORE_TIMEOUT_S} s")
+            raise AssertionError(f"{what} {count()} of {want} {unit} in {STORE_TIMEOUT_S} s")
         time.sleep(0.2)
     time.sleep(0.5)
 
@@ -545,16 +551,11 @@ def test_a_warmed_opening_stays_the_engines_own_and_only_what_follows_is_transla
 def wait_derived(live: Deployment, model: str, tokens: list[int], pages: range) -> None:
     """Until ``model``'s write-through has stored pages ``pages`` of ``tokens`` apart, as
     pages it computed over translated KV (``records.derived_key``)."""
-    suffix = f"_{NAMES[model]}_0_1.bin"
-    keys = page_hashes(tokens)[pages.start : pages.stop]
-    files = [live.store / f"{derived_key(key)}{suffix}" for key in keys]
-    deadline = time.monotonic() + STORE_TIMEOUT_S
-    while not all(file.exists() for file in files):
-        if time.monotonic() > deadline:
-            found = sum(file.exists() for file in files)
-            raise AssertionError(f"{model} stored {found} of {len(files)} derived pages")
-        time.sleep(0.2)
-    time.sleep(0.5)
+
+    def stored() -> int:
+        return sum(page_files(live.store, model, tokens, derived=True)[pages.start : pages.stop])
+
+    wait_for(stored, len(pages), f"{model} stored", "derived pages")
 
 
 def test_a_restarted_b_never_serves_translated_pages_as_its_own(live, swapped_session):
