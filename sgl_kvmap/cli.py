@@ -25,7 +25,7 @@ from click.core import ParameterSource
 
 from .bench.records import MODES
 from .bench.run import BenchConfig
-from .bench.workload import MAX_CONTINUATION_TOKENS, WorkloadConfig
+from .bench.workload import MAX_CONTINUATION_TOKENS, OPENINGS, WorkloadConfig
 from .core.errors import KVMapError
 from .core.manifest import MAX_COUNT
 from .fitting.config import (
@@ -1106,6 +1106,14 @@ def demo(
     help="Drop a session's turns from the first longer prompt on (after scaling).",
 )
 @click.option(
+    "--openings",
+    type=click.Choice(OPENINGS),
+    default=WORKLOAD.openings,
+    show_default=True,
+    help="'distinct': each session of a Mooncake trace opens with a block of its own instead of "
+    "the block every request shares (per-user system prompts).",
+)
+@click.option(
     "--policy",
     "policies",
     multiple=True,
@@ -1269,6 +1277,7 @@ def bench(
     min_turns,
     max_turns,
     max_prompt_tokens,
+    openings,
     policies,
     modes,
     quality_tokens,
@@ -1324,6 +1333,7 @@ def bench(
         max_prompt_tokens,
         continuation_tokens=continuation_tokens,
         page_size=page_size,
+        openings=openings,
     )
     config = _config(
         ctx,

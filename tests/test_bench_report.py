@@ -329,10 +329,39 @@ BEATS = [((0.6, 1.5), (0.7, 1.2), (0.4, 2.0)), ((0.5, 1.6), (0.6, 1.3), (0.3, 2.
 WORSE = [((0.2, 2.5), (0.7, 1.2), (0.4, 2.0)), ((0.1, 2.9), (0.6, 1.3), (0.3, 2.2))] * 2
 
 
-def scored_replay(policy, mode, rows, requests=(1, 3)):
+def scored_replay(policy, mode, rows, requests=(1, 3), translates=True):
     """Swapped requests judged on their continuation; requests 1 and 3 are served by the large
-    model (up swaps), request 2 by the small one (a down swap)."""
-    return [judged(policy, mode, requests[i % len(requests)], *row) for i, row in enumerate(rows)]
+    model (up swaps), request 2 by the small one (a down swap). In a translating mode, half of
+    each prompt came translated (none with ``translates`` False)."""
+    return [
+        judged(
+            policy, mode, request := requests[i % len(requests)], *row,
+            translated=PROMPTS[request] // 2 if mode != "reprefill" and translates else 0,
+        )
+        for i, row in enumerate(rows)
+    ]  # fmt: skip
+
+
+def test_figures_and_verdicts_are_judged_on_the_swaps_that_translated():
+    """A translating replay's continuation figures pool only its swaps that translated
+    something, the share is beside them, and a replay where none did says so instead of a
+    verdict: its swaps scored as re-prefill, which says nothing of translation."""
+    some = [
+        *scored_replay("a", "translated", BEATS[:2]),
+        *scored_replay("a", "translated", WORSE[:2], translates=False),
+    ]
+    (summary,) = summarize(some)
+    up = summary["continuation"]["up"]
+    assert up["swaps"] == 4 and up["translated_swaps"] == 2 and up["continuation_requests"] == 2
+    assert up["retention"] == pytest.approx((0.6 + 0.5) / (0.7 + 0.6))
+    none = scored_replay("b", "tail", WORSE, translates=False)
+    markdown = summary_markdown([*some, *none], HEADER)
+    assert "judged on the swaps that translated (2 of 8 swaps" in markdown
+    line = table_line(markdown, "Swapped requests against", "b", "translated + tail")
+    assert line[3] == "0 of 4" and line[-1] == "nothing translated"
+    line = table_line(markdown, "Swapped requests against", "a", "translated")
+    assert line[3] == "2 of 4"
+    assert "**Verdict**: nothing translated (0 of 4 swaps" in summary_markdown(none, HEADER)
 
 
 def test_retention_and_gap_closed_pool_accuracy_over_requests():

@@ -468,8 +468,65 @@ def test_concurrent_sessions_on_both_servers(live):
         assert len(generation.output_ids) > 0
 
 
+@pytest.fixture(scope="module")
+def defaults(served_pair, tmp_path_factory):
+    """Servers launched with sglang-args' defaults (an engine computes a prefix's first page
+    itself, priming it before a swap that needs it), ``--first-layer exact`` and ``--derived
+    share``; started on first use."""
+    folder = tmp_path_factory.mktemp("defaults")
+    deployment = Deployment(
+        folder,
+        served_pair,
+        [(0, 1), (1, 0)],
+        free_port_base(2),
+        folder / "store",
+        first_layer="exact",
+        derived="share",
+    )
+    yield deployment
+    deployment.stop("a", "b")
+
+
+def test_a_swap_whose_first_page_b_never_saw_translates_after_bs_own_first_page(
+    defaults, served_pair
+):
+    """Sessions that share no opening: a session A served, swapped to B, which never served
+    its first page. B's TokenizerManager (sgl-kvmap's SGLang plugin) has B compute that page
+    first; the swap then reports it as a device hit and A's pages after it, less the tail, as
+    storage hits. B's stored copy of the first page is its own forward's KV, no audit copy of it
+    exists (it was never translated), and the pages B received translated are the pack's
+    translation of A's pages (with B's own layer 0)."""
+    import torch
+
+    from sgl_kvmap.models.capture import run
+
+    live = defaults
+    tail = live.extra_config("b")["tail_pages"]
+    assert live.extra_config("b")["sinks"] == "prime"
+    with live.client("a", "b") as client:
+        history = first_turn(client, live, "a", prompt(310, 300))
+        second = [*history, *prompt(311, 60)]
+        generation = client.generate("b", second, ANSWER)
+    stored = min(leading(page_files(live.store, "a", second)), (len(second) - 1) // PAGE)
+    pages = stored - 1 - tail
+    assert pages * PAGE >= THRESHOLD
+    assert generation.cached == {"device": PAGE, "host": 0, "storage": pages * PAGE}
+    first = page_hashes(second)[0]
+    assert not (live.store / f"{first}.translated_{NAMES['b']}_0_1.bin").exists()
+    wait_stored(live, "b", second, 1)
+    own = stored_cache(live, NAMES["b"], [first])
+    exact = run(served_pair["models"][1].model, torch.tensor(second[:PAGE])).cache
+    for got, want in zip(own.keys + own.values, exact.keys + exact.values):
+        torch.testing.assert_close(got, want, rtol=0.02, atol=0.02)
+    keys = page_hashes(second)[1 : 1 + pages]
+    own_first_layer = (served_pair["models"][1].model, second)
+    assert_translated(
+        live, NAMES["a"], NAMES["b"], keys, served_pair["packs"][0, 1], own_first_layer
+    )
+
+
 def test_a_warmed_opening_stays_the_engines_own_and_only_what_follows_is_translated(
-    served_pair, tmp_path
+    defaults, served_pair
 ):
     """Servers launched with sglang-args' defaults, ``--first-layer exact`` and ``--derived
     share``: ``sgl-kvmap
@@ -489,63 +546,52 @@ def test_a_warmed_opening_stays_the_engines_own_and_only_what_follows_is_transla
 
     from sgl_kvmap.cli import main
 
-    live = Deployment(
-        tmp_path,
-        served_pair,
-        [(0, 1), (1, 0)],
-        free_port_base(2),
-        tmp_path / "store",
-        first_layer="exact",
-        derived="share",
-    )
-    try:
-        tail = live.extra_config("b")["tail_pages"]
-        assert live.extra_config("b")["sinks"] == "native"
-        opening = prompt(300, (tail + 3) * PAGE + 10)
-        opening_file = live.folder / "opening.json"
-        opening_file.write_text(json.dumps(opening))
-        held = len(opening) // PAGE * PAGE
-        for model in "ab":  # B once A's copy of the opening is in the store
-            url = live.server(model).url
-            result = CliRunner().invoke(main, ["warm", url, "--opening-ids", str(opening_file)])
-            assert result.exit_code == 0, result.output
-            assert f"{url}: served the opening ({len(opening)} tokens); {held} of them" in (
-                result.output
-            )
-            wait_stored(live, model, opening, held // PAGE)
-        for key in page_hashes(opening):
-            assert not (live.store / f"{key}.translated_{NAMES['b']}_0_1.bin").exists()
-        with live.client("a", "b") as client:
-            history = first_turn(client, live, "a", [*opening, *prompt(301, 200)])
-            second = [*history, *prompt(302, 120)]
-            generation = client.generate("b", second, ANSWER)
-            stored = min(leading(page_files(live.store, "a", second)), (len(second) - 1) // PAGE)
-            back = [*second, *generation.output_ids]
-            computed = (len(back) - 1) // PAGE  # B's pages of KV: after stored - tail, derived
-            wait_derived(live, "b", back, range(stored - tail, computed))
-            third = [*back, *prompt(303, 30)]  # 480 tokens with its answer: the models hold 512
-            returned = client.generate("a", third, ANSWER)
-        translated_pages = stored - len(opening) // PAGE - tail
-        assert translated_pages * PAGE >= THRESHOLD
-        assert generation.cached == {"device": held, "host": 0, "storage": translated_pages * PAGE}
-        assert len(generation.output_ids) > 0
-        first = len(opening) // PAGE
-        keys = page_hashes(second)[first : first + translated_pages]
-        own_first_layer = (served_pair["models"][1].model, second)
-        pack = served_pair["packs"][0, 1]
-        assert_translated(live, NAMES["a"], NAMES["b"], keys, pack, own_first_layer)
-        assert not any(page_files(live.store, "b", back)[first:])
-        device = returned.cached["device"] // PAGE
-        pages = min(computed, (len(third) - 1) // PAGE) - device - tail
-        assert device >= stored - tail and pages * PAGE >= THRESHOLD
-        assert returned.cached == {"device": device * PAGE, "host": 0, "storage": pages * PAGE}
-        keys = page_hashes(third)[device : device + pages]
-        own_first_layer = (served_pair["models"][0].model, third)
-        pack = served_pair["packs"][1, 0]
-        stored_as = [derived_key(key) for key in keys]
-        assert_translated(live, NAMES["b"], NAMES["a"], keys, pack, own_first_layer, stored_as)
-    finally:
-        live.stop("a", "b")
+    live = defaults
+    tail = live.extra_config("b")["tail_pages"]
+    assert live.extra_config("b")["sinks"] == "prime"
+    opening = prompt(300, (tail + 3) * PAGE + 10)
+    opening_file = live.folder / "opening.json"
+    opening_file.write_text(json.dumps(opening))
+    held = len(opening) // PAGE * PAGE
+    for model in "ab":  # B once A's copy of the opening is in the store
+        url = live.server(model).url
+        result = CliRunner().invoke(main, ["warm", url, "--opening-ids", str(opening_file)])
+        assert result.exit_code == 0, result.output
+        assert f"{url}: served the opening ({len(opening)} tokens); {held} of them" in (
+            result.output
+        )
+        wait_stored(live, model, opening, held // PAGE)
+    for key in page_hashes(opening):
+        assert not (live.store / f"{key}.translated_{NAMES['b']}_0_1.bin").exists()
+    with live.client("a", "b") as client:
+        history = first_turn(client, live, "a", [*opening, *prompt(301, 200)])
+        second = [*history, *prompt(302, 120)]
+        generation = client.generate("b", second, ANSWER)
+        stored = min(leading(page_files(live.store, "a", second)), (len(second) - 1) // PAGE)
+        back = [*second, *generation.output_ids]
+        computed = (len(back) - 1) // PAGE  # B's pages of KV: after stored - tail, derived
+        wait_derived(live, "b", back, range(stored - tail, computed))
+        third = [*back, *prompt(303, 30)]  # 480 tokens with its answer: the models hold 512
+        returned = client.generate("a", third, ANSWER)
+    translated_pages = stored - len(opening) // PAGE - tail
+    assert translated_pages * PAGE >= THRESHOLD
+    assert generation.cached == {"device": held, "host": 0, "storage": translated_pages * PAGE}
+    assert len(generation.output_ids) > 0
+    first = len(opening) // PAGE
+    keys = page_hashes(second)[first : first + translated_pages]
+    own_first_layer = (served_pair["models"][1].model, second)
+    pack = served_pair["packs"][0, 1]
+    assert_translated(live, NAMES["a"], NAMES["b"], keys, pack, own_first_layer)
+    assert not any(page_files(live.store, "b", back)[first:])
+    device = returned.cached["device"] // PAGE
+    pages = min(computed, (len(third) - 1) // PAGE) - device - tail
+    assert device >= stored - tail and pages * PAGE >= THRESHOLD
+    assert returned.cached == {"device": device * PAGE, "host": 0, "storage": pages * PAGE}
+    keys = page_hashes(third)[device : device + pages]
+    own_first_layer = (served_pair["models"][0].model, third)
+    pack = served_pair["packs"][1, 0]
+    stored_as = [derived_key(key) for key in keys]
+    assert_translated(live, NAMES["b"], NAMES["a"], keys, pack, own_first_layer, stored_as)
 
 
 def wait_derived(live: Deployment, model: str, tokens: list[int], pages: range) -> None:

@@ -140,7 +140,7 @@ def fresh_store(setup: LiveSetup, mode: str) -> Iterator[tuple[str, dict, dict]]
 def warm(client: LiveClient, opening: tuple[int, ...]) -> None:
     """Each server serves the shared opening itself (and stores it) before the replay."""
     for role in ROLES:
-        client.generate(role, opening, 1)
+        client.generate(role, opening, 1, native=True)
         client.settle(role)
 
 

@@ -100,10 +100,11 @@ class RequestRecord:
     prompt_tokens: int
     ideal_reuse_tokens: int  # what an oracle cache shared by both models could reuse
     reused: dict[str, int]  # tokens per tier (TIERS)
-    computed: int  # tokens prefilled by the engine
+    computed: int  # tokens prefilled by the engine (``primed`` among them)
     fallbacks: dict[str, int] = field(default_factory=dict)  # untranslated pages, by reason
     ttft_s: float = 0.0  # prefetch + load-back + prefill + the first token
     quality: Quality | None = None  # swapped requests (in the reference mode: its own scores)
+    primed: int = 0  # first-page tokens computed just before the request (sglang.priming)
 
     def __post_init__(self):
         if set(self.reused) != set(TIERS):

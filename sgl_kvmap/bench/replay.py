@@ -142,7 +142,7 @@ def replay(
                 )
             if opening:
                 for engine in engines.values():
-                    engine.serve(list(opening))
+                    engine.serve(list(opening), prime=False)
             records = []
             for i in range(len(plan.turns)):
                 engine = engines[plan.models[i]]
@@ -241,10 +241,11 @@ def _serve(
             "storage": tiers.storage,
             "translated": tiers.translated,
         },
-        computed=len(tokens) - prefix,
+        computed=len(tokens) - prefix + tiers.primed,
         fallbacks=dict(tiers.fallbacks),
         ttft_s=ttft,
         quality=quality,
+        primed=tiers.primed,
     )
     return record, slots
 

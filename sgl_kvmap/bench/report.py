@@ -101,9 +101,22 @@ def summary_row(replay: list[RequestRecord], reference: list[RequestRecord] | No
         **ttft_ratio(pairs),
         **quality_stats(swapped if replay[0].mode != REFERENCE_MODE else []),
         "continuation": {
-            direction: continuation_stats([r for r in swapped if r.model == served])
+            direction: direction_stats([r for r in swapped if r.model == served])
             for direction, served in DIRECTIONS.items()
         },
+    }
+
+
+def direction_stats(swapped: list[RequestRecord]) -> dict:
+    """``continuation_stats`` of one direction's swaps: in a translating mode, over the swaps
+    that translated something (a swap prefilled whole scores as re-prefill and says nothing of
+    translation), with ``swaps`` and ``translated_swaps`` beside them (None in re-prefill)."""
+    translating = bool(swapped) and swapped[0].mode != REFERENCE_MODE
+    judged = [r for r in swapped if r.reused["translated"]] if translating else swapped
+    return {
+        **continuation_stats(judged),
+        "swaps": len(swapped),
+        "translated_swaps": len(judged) if translating else None,
     }
 
 
@@ -407,7 +420,7 @@ def continuation_section(rows: list[dict]) -> str:
     lines = continuation_lines(rows)
     if not lines:
         return "No swapped request was judged on its true continuation in this run."
-    columns = ["policy", "mode", "swap", "judged requests"]
+    columns = ["policy", "mode", "swap", "swaps translated", "judged requests"]
     columns += [f"accuracy: {name}" for name in ("this mode", *CONDITION_HEADINGS)]
     columns += [f"retention [{CONFIDENCE:.0%} CI]", f"gap closed [{CONFIDENCE:.0%} CI]"]
     columns += ["NLL: this mode", "NLL: re-prefill", "NLL: staying", "verdict"]
@@ -422,7 +435,7 @@ def continuation_lines(rows: list[dict]) -> list[dict]:
         {"policy": row["policy"], "mode": row["mode"], "direction": direction, **stats}
         for row in rows
         for direction, stats in row["continuation"].items()
-        if stats["continuation_requests"]
+        if stats["continuation_requests"] or stats.get("translated_swaps") == 0 < stats["swaps"]
     ]
 
 
@@ -430,10 +443,12 @@ CONDITION_HEADINGS = ("re-prefill", "staying on the source", "no prefix")  # BAS
 
 
 def continuation_cells(line: dict) -> list[str]:
-    accuracy, nll = line["continuation_accuracy"], line["continuation_nll"]
+    none = dict.fromkeys(CONTINUATION_CONDITIONS)  # nothing judged: every score a dash
+    accuracy, nll = line["continuation_accuracy"] or none, line["continuation_nll"] or none
     return [
         *row_label(line),
         DIRECTION_TITLES[line["direction"]],
+        translated_share(line),
         str(line["continuation_requests"]),
         *[decimal(accuracy[name]) for name in CONTINUATION_CONDITIONS],
         with_interval(line["retention"], line["retention_ci"]),
@@ -445,7 +460,16 @@ def continuation_cells(line: dict) -> list[str]:
     ]
 
 
+def translated_share(line: dict) -> str:
+    """ "k of n" swaps of the line's direction that translated something (a dash in re-prefill)."""
+    if line.get("translated_swaps") is None:
+        return DASH
+    return f"{line['translated_swaps']} of {line['swaps']}"
+
+
 def verdict_cell(line: dict) -> str:
+    if line.get("translated_swaps") == 0:
+        return "nothing translated"
     if line["verdict"] is not None:
         return VERDICTS[line["verdict"]]
     if line["gap_closed_ci"] is None and line["continuation_requests"] >= 2:
@@ -457,15 +481,20 @@ def verdict_line(lines: list[dict]) -> str:
     """One line: in how many translating replays (per direction) a swap beats staying on the
     source model, among those where re-prefill beats staying (a gap to close)."""
     translating = [line for line in lines if line["mode"] != REFERENCE_MODE]
+    swaps = sum(line.get("swaps") or 0 for line in translating)
+    translated = sum(line.get("translated_swaps") or 0 for line in translating)
+    share = f"{translated} of {swaps} swaps of the translating replays translated something"
     decided = [line for line in translating if line["verdict"] is not None]
+    if not translated:
+        return f"**Verdict**: nothing translated ({share})."
     if not decided:
-        return "**Verdict**: no translating replay has a gap to close in this run."
+        return f"**Verdict**: no translating replay has a gap to close in this run ({share})."
     counts = {key: sum(line["verdict"] == key for line in decided) for key in VERDICTS}
     return (
-        f"**Verdict**: a translated swap beats staying on the source model in "
-        f"{counts['beats']} of {len(decided)} translating replays and directions with a gap to "
-        f"close (gap closed above 0 over its whole interval), does worse in {counts['worse']}, "
-        f"and is not resolved in {counts['unresolved']}."
+        f"**Verdict**, judged on the swaps that translated ({share}): a translated swap beats "
+        f"staying on the source model in {counts['beats']} of {len(decided)} translating replays "
+        f"and directions with a gap to close (gap closed above 0 over its whole interval), does "
+        f"worse in {counts['worse']}, and is not resolved in {counts['unresolved']}."
     )
 
 
@@ -555,9 +584,11 @@ METHOD = f"""\
   source model ({BASELINE_TITLES["source"]}, computing the whole prompt) and no prefix
   ({BASELINE_TITLES["no_prefix"]}: the turn's new tokens only). Retention is the mode's accuracy
   over re-prefill's; gap closed is (mode - staying) / (re-prefill - staying), pooled over the
-  requests: above 0 the swap beats staying, 1 is as good as re-prefill. The verdict reads the
-  gap-closed interval: "beats staying" when all of it is above 0, "worse than staying" when all
-  of it is below.
+  requests: above 0 the swap beats staying, 1 is as good as re-prefill. In a translating mode
+  these figures and the verdict are over the swaps that translated something (a swap prefilled
+  whole scores as re-prefill), with their share beside them ("nothing translated" when none
+  did). The verdict reads the gap-closed interval: "beats staying" when all of it is above 0,
+  "worse than staying" when all of it is below.
 - Agreement compares each translating mode's answer with the {MODE_TITLES[REFERENCE_MODE]}
   answer to the same prompt: greedy agreement is the share of the reference answer the mode's
   greedy decoding reproduces before it first departs from it (their common prefix), NLL the

@@ -34,6 +34,12 @@ prompt, the stream after its last token (the rest of its last block, then the te
 that block in the stream); for an agentic prompt, the stand-in of this turn's answer (the text
 the next turn's prompt carries as the previous answer).
 
+Openings. ``openings="distinct"`` gives each session of a Mooncake trace an opening of its own:
+its block 0, which every request of the trace shares (a system prompt), is replaced in all of
+its turns by a block id no other session has, as traffic with per-user system prompts or a
+retrieved document first would be. Sessions are derived before the replacement, so the slice
+and its turns are the same; only what the sessions share changes.
+
 Scale. ``scale`` S divides the block size (512 // S tokens) and every length (at least 1), so a
 CPU can replay the trace's reuse structure at 1/S of its length.
 
@@ -62,6 +68,7 @@ MAX_CONTINUATION_TOKENS = 4096
 DEFAULT_AGENTIC_OUTPUT_TOKENS = 220  # sglang.benchmark.datasets.agentic_trace's default
 AGENTIC_OUTPUT_KEYS = ("output_tokens", "completion_tokens")
 MOONCAKE_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
+OPENINGS = ("shared", "distinct")
 EXPECTED_SHAPES = (
     "JSON lines with timestamp, input_length, output_length and hash_ids (the Mooncake trace) "
     'or a JSON object with "conversations" (SGLang\'s agentic trace)'
@@ -96,8 +103,11 @@ class WorkloadConfig:
     max_prompt_tokens: int | None = 768  # after scaling; None: no cap
     page_size: int = PAGE_SIZE  # sglang-args'; blocks of 512 / scale tokens must fill pages
     continuation_tokens: int = CONTINUATION_TOKENS  # true next tokens kept per request
+    openings: str = "shared"  # or "distinct": each session its own block 0 (module docstring)
 
     def __post_init__(self):
+        if self.openings not in OPENINGS:
+            raise KVMapError(f"openings must be one of {OPENINGS}, got {self.openings!r}")
         for name in (
             "scale",
             "sessions",
@@ -156,6 +166,11 @@ def load_workload(
     stream = TokenStream(tokenizer, held_out_files() if text_files is None else text_files)
     conversations = agentic_conversations(text, config.trace_path)
     if conversations is not None:
+        if config.openings != "shared":
+            raise KVMapError(
+                f"openings {config.openings!r} applies to Mooncake traces; an agentic trace's "
+                "sessions open with their own messages"
+            )
         return agentic_workload(conversations, config, tokenizer, stream)
     return mooncake_workload(mooncake_requests(text, config.trace_path), config, stream)
 
@@ -399,6 +414,8 @@ def mooncake_workload(
     lineages = derive_sessions([r.hash_ids for r in requests])
     lengths = [mooncake_prompt_length(r, config) for r in requests]
     chosen = select_requests(lineages, lengths, config)
+    if config.openings == "distinct":
+        requests = distinct_openings(requests, lineages)
     slots = block_slots(b for i in chosen for b in requests[i].hash_ids)
     blocks = block_windows(stream, slots, config.block_tokens)
     prompts = {
@@ -427,6 +444,18 @@ def mooncake_workload(
             )
         )
     return turns
+
+
+def distinct_openings(
+    requests: Sequence[MooncakeRequest], lineages: Sequence[Lineage]
+) -> list[MooncakeRequest]:
+    """``requests`` with each session's block 0 replaced by a block id of its own, above every
+    id of the trace (``lineages``: their sessions)."""
+    base = 1 + max(b for r in requests for b in r.hash_ids)
+    return [
+        r._replace(hash_ids=(base + lineage.session, *r.hash_ids[1:]))
+        for r, lineage in zip(requests, lineages)
+    ]
 
 
 def first_arrival_numbers(keys: Iterable[int]) -> dict[int, int]:

@@ -14,12 +14,14 @@ from __future__ import annotations
 import json
 import math
 import time
+import uuid
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.errors import KVMapError
+from .settings import NATIVE_REQUEST_PREFIX
 
 SETTLE_S = 0.5  # a server whose store writes paused this long has written a request's pages
 SETTLE_MAX_S = 30.0
@@ -94,15 +96,20 @@ class LiveClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def generate(self, model: str, tokens: Sequence[int] | str, max_new_tokens: int) -> Generation:
+    def generate(
+        self, model: str, tokens: Sequence[int] | str, max_new_tokens: int, native: bool = False
+    ) -> Generation:
         """Greedy ``max_new_tokens`` after the prompt ``tokens`` (token ids, or text the server
-        tokenizes), streamed."""
+        tokenizes), streamed; ``native``: the server computes the whole prompt, never its first
+        page apart (``NATIVE_REQUEST_PREFIX``)."""
         prompt = {"text": tokens} if isinstance(tokens, str) else {"input_ids": list(tokens)}
         body = {
             **prompt,
             "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens},
             "stream": True,
         }
+        if native:
+            body["rid"] = f"{NATIVE_REQUEST_PREFIX}{uuid.uuid4().hex}"
         started = time.perf_counter()
         first, chunks = None, []
         for chunk in self._stream(model, body):

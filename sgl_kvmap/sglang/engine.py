@@ -28,6 +28,9 @@ storage backend made by StorageBackendFactory from the extra config (KVMapStorag
    write-through, ``write_backup_storage`` and the backup thread's ``batch_set_v1``, pumped
    until the backups are acknowledged.
 
+Before step 1, a request whose first page the engine should compute first (``priming``, which a
+server runs in its TokenizerManager) has that page served alone, through the same steps.
+
 Substituted, because they need CUDA: the host pool is allocated unpinned (pinning needs a CUDA
 driver), and its two device<->host copies (``load_to_device_per_layer`` and
 ``backup_from_device_all_layer``, sgl_kernel's ``transfer_kv_*`` kernels) are torch indexing
@@ -142,13 +145,15 @@ class Tiers:
     device (the radix tree on the device), host (the HiCache host pool), storage (pages this
     model stored), translated (pages another model stored, translated by KVMapStorage);
     fallbacks: the pages KVMapStorage could not translate during this request's prefetch, by
-    reason."""
+    reason; primed: the first-page tokens the engine computed just before the request
+    (``priming``), which its device tier then held (counted there as computed, not reused)."""
 
     device: int
     host: int
     storage: int
     translated: int
     fallbacks: dict[str, int]
+    primed: int = 0
 
 
 @dataclass(eq=False)
@@ -161,6 +166,7 @@ class Arrival:
     device: int
     host: int
     counted: Counter
+    primed: int = 0
 
 
 class _Worker:
@@ -224,6 +230,8 @@ class Engine:
         self._served = 0
         self._waiting: list[Arrival] = []  # arrived, their prefetch not yet done
         self.last_tiers: Tiers | None = None
+        self.primer = self.storage.primer()
+        self.primed = 0  # first pages computed before the request that needed them
 
     def _build(self, server_args, tp_rank: int, tp_size: int, dtype: torch.dtype) -> None:
         spec = self.model.spec
@@ -272,9 +280,11 @@ class Engine:
             )
         )
 
-    def serve(self, tokens: list[int]) -> Served:
-        """One request of prompt ``tokens`` through the scheduler's steps (module docstring)."""
-        return self.complete(self.arrive(tokens))
+    def serve(self, tokens: list[int], prime: bool = True) -> Served:
+        """One request of prompt ``tokens`` through the scheduler's steps (module docstring);
+        ``prime``: False computes it whole, as a server does a request whose id asks for it
+        (``settings.NATIVE_REQUEST_PREFIX``)."""
+        return self.complete(self.arrive(tokens, prime))
 
     def complete(self, arrival: Arrival) -> Served:
         """An arrived request's steps 2-6 (``serve``, after ``arrive``)."""
@@ -290,16 +300,23 @@ class Engine:
         the device slots of its prompt tokens."""
         return self.admit(self.arrive(tokens))
 
-    def arrive(self, tokens: list[int]) -> Arrival:
+    def arrive(self, tokens: list[int], prime: bool = True) -> Arrival:
         """Step 1 for a request of prompt ``tokens``, as the scheduler does when it arrives: its
-        prefetch starts. Requests that arrive before any is admitted prefetch concurrently."""
+        prefetch starts. Requests that arrive before any is admitted prefetch concurrently.
+        Before it, as a server's TokenizerManager does, the engine serves the prompt's first
+        page alone when the primer says so (``priming``)."""
+        page = self.primer.first_page(tokens) if self.primer and prime else None
+        if page is not None:
+            self.serve(page)
+            self.primed += 1
         self._served += 1
         req = Req(
             f"{self.name}-{self._served}", "", array("q", tokens), SamplingParams(max_new_tokens=1)
         )
         counted = Counter(self.storage.counters)
         Scheduler._prefetch_kvcache(self, req)
-        arrival = Arrival(req, list(tokens), req.prefix_len, req.host_hit_length, counted)
+        primed = len(page) if page else 0
+        arrival = Arrival(req, list(tokens), req.prefix_len, req.host_hit_length, counted, primed)
         self._waiting.append(arrival)
         return arrival
 
@@ -313,7 +330,7 @@ class Engine:
         self.tree.pop_prefetch_loaded_span(req.cache_request_handle)
         req.init_next_round_input(self.tree)
         self._admit(req)
-        self.last_tiers = self._tiers(req.prefix_len, device, host, counted)
+        self.last_tiers = self._tiers(req.prefix_len, device, host, counted, arrival.primed)
         batch = ScheduleBatch.init_new(
             [req],
             self.requests,
@@ -329,7 +346,9 @@ class Engine:
         self.tree.ready_to_load_host_cache()
         return req, self.requests.req_to_token[req.kv.req_pool_idx, : len(tokens)].clone()
 
-    def _tiers(self, reused: int, device: int, host: int, counted: Counter) -> Tiers:
+    def _tiers(
+        self, reused: int, device: int, host: int, counted: Counter, primed: int = 0
+    ) -> Tiers:
         """Split ``reused`` tokens by tier; ``counted``: the storage's counters before the
         prefetch. KVMapStorage hands SGLang this model's own pages first, then translated
         ones, and SGLang keeps a leading part of them, so what it kept beyond the native pages
@@ -345,7 +364,8 @@ class Engine:
             for name, n in new.items()
             if name.startswith("fallback.") and n > 0
         }
-        return Tiers(device, host, native, translated, fallbacks)
+        primed = min(primed, device)
+        return Tiers(device - primed, host, native, translated, fallbacks, primed)
 
     def compute(
         self, tokens, slots, prefix: int, past: KVCache | None, logits: int | None = None

@@ -24,7 +24,8 @@ BACKEND = {
     "class_name": "KVMapStorage",
 }
 INNER_BACKENDS = ("file", "mooncake")
-SINK_POLICIES = ("translate", "native")
+SINK_POLICIES = ("translate", "native", "prime")
+NATIVE_SINKS = ("native", "prime")  # policies under which a prefix's first page is never translated
 FIRST_LAYER_POLICIES = ("mapped", "exact")
 DERIVED_POLICIES = ("withhold", "share")
 MAX_CONCURRENT_TRANSLATIONS = 64
@@ -53,6 +54,9 @@ SERVED_TAIL, SERVED_PAGE_SIZE, SERVED_SINKS = "served_tail", "served_page_size",
 SERVED_FIRST_LAYER = "served_first_layer"  # absent: recorded before it was a choice, "mapped"
 SERVED_DERIVED = "served_derived"  # absent: recorded before it was a choice, "withhold"
 DEFAULT_QUALITY_FLOOR = 0.0  # better than staying on the source model
+# A request whose id starts so is computed whole, never primed (``priming``): ``sgl-kvmap warm``
+# serves the opening every session shares this way, so each engine holds all of it as its own.
+NATIVE_REQUEST_PREFIX = "sgl-kvmap-native-"
 
 
 @dataclass(frozen=True)
@@ -98,12 +102,14 @@ class StorageSettings:
     """inner_backend: the built-in store for this engine's own pages and its peers' ("file" on
     one host, "mooncake" across hosts: SGLang's keys for it, such as master_server_address,
     pass through). translate: serve translated pages at all (off: a transparent wrapper that
-    still records its pages for others). sinks: "native" (the default) translates only after
-    a first page this engine holds as its own, so a prefix's first page, its attention sinks,
-    is always computed here (and a shared opening served on this engine, ``sgl-kvmap warm``,
-    stays its own KV); "translate" also translates a prefix's first page when this engine has
-    no copy of its own (a swap into a fresh engine then translates from page 0, and every
-    later request sharing those pages reads them translated). tail_pages: the last pages of a
+    still records its pages for others). sinks: "native" translates only after a first page
+    this engine holds as its own, so a prefix's first page, its attention sinks, is always
+    computed here (and a shared opening served on this engine, ``sgl-kvmap warm``, stays its
+    own KV), and a swap whose first page it holds nowhere is prefilled; "prime" (the default)
+    does the same, and has the engine compute such a swap's first page before it, so the rest
+    is translated (``priming``); "translate" also translates a prefix's first page when this
+    engine has no copy of its own (a swap into a fresh engine then translates from page 0, and
+    every later request sharing those pages reads them translated). tail_pages: the last pages of a
     translatable run that this engine computes itself instead (the hand-off's recomputed tail;
     0 translates every page a peer stored). first_layer: "mapped" (the default) serves the
     pack's map of layer 0; "exact" serves this model's own layer 0 for every translated token
@@ -135,7 +141,7 @@ class StorageSettings:
     translate: bool = False
     # a translated first page is reused by every later request sharing it (docs/LOG.md, "a
     # warm opening that was translated")
-    sinks: str = "native"
+    sinks: str = "prime"
     # 48 tokens at sglang-args' 16-token pages (docs/LOG.md, "the tail at 16-token pages")
     tail_pages: int = 3
     first_layer: str = "mapped"
@@ -214,7 +220,7 @@ class StorageSettings:
         served = SERVED_GAP_CLOSED_TAIL if self.tail_pages else SERVED_GAP_CLOSED
         served_here = (
             metrics.get(SERVED_PAGE_SIZE) == page_size
-            and metrics.get(SERVED_SINKS) == self.sinks
+            and _sinks_alike(metrics.get(SERVED_SINKS), self.sinks)
             and metrics.get(SERVED_FIRST_LAYER, "mapped") == self.first_layer
             and metrics.get(SERVED_DERIVED, "withhold") == self.derived
             and (not self.tail_pages or metrics.get(SERVED_TAIL) == self.tail_pages * page_size)
@@ -251,6 +257,13 @@ class StorageSettings:
 def prefetch_threshold_keys(tokens: int | None) -> dict[str, int]:
     """SGLang's extra-config key for a prefetch threshold other than its own (None: SGLang's)."""
     return {} if tokens is None else {"prefetch_threshold": tokens}
+
+
+def _sinks_alike(recorded: Any, serving: str) -> bool:
+    """Whether swaps served under sinks policy ``recorded`` were served as under ``serving``:
+    "native" and "prime" both serve a first page the engine computed (priming only makes more
+    swaps translate)."""
+    return recorded == serving or (recorded in NATIVE_SINKS and serving in NATIVE_SINKS)
 
 
 def _finite(value: Any) -> float | None:

@@ -26,7 +26,8 @@ Rules (docs/sglang.md):
   prefix keys (PD decode-side offload) cannot be checked and stores nothing.
 - Sinks: by default a prefix's first page is never translated (``StorageSettings.sinks``): the
   engine computes it, so a translated opening never becomes the device KV every later
-  request reads.
+  request reads; a swap whose first page the engine holds nowhere has it computed first
+  (``priming``, in the server's TokenizerManager), and the rest translated.
 - Quality floor: a peer's pack is used only when the gap closed it records is above the
   operator's floor (``StorageSettings.quality_floor``; by default, better than staying on the
   source model); otherwise none of that peer's pages is translated (``pack_below_floor``).
@@ -70,9 +71,10 @@ from .heads import rank_heads, ranks_covering_heads
 from .identity import DIGITS, identity_config, local_weights_digest, model_identity, split_identity
 from .jobs import Job, JobPool
 from .pages import PageFormat
+from .priming import Primer, registered
 from .provenance import Provenance, Verdict
 from .records import PageRecord, derived_key, empty_record, page_crc32, record_key
-from .settings import PeerSettings, StorageSettings
+from .settings import NATIVE_SINKS, PeerSettings, StorageSettings
 from .translation import staging, translate_run
 
 log = logging.getLogger(__name__)
@@ -325,7 +327,33 @@ class KVMapStorage(HiCacheStorage):
             self.peers = [p for s in self.settings.peers if (p := self._connect(s, own))]
         if self.peers:
             self.jobs = JobPool(self.settings.concurrent_translations)
+            self._check_priming()
         self._publish()
+
+    def _check_priming(self) -> None:
+        """Under ``sinks: "prime"``, a server process that did not load sgl-kvmap's SGLang
+        plugin (``SGLANG_PLUGINS`` set without it) computes no first page before a swap:
+        counted, so the operator sees why first swaps are prefilled."""
+        if self.settings.sinks == "prime" and _plugins_loaded() and not registered():
+            self._fallback(
+                "priming_not_loaded",
+                "the sgl_kvmap SGLang plugin is not loaded (add it to SGLANG_PLUGINS): a swap "
+                "whose first page this engine holds nowhere is prefilled",
+            )
+
+    def primer(self) -> Primer | None:
+        """What decides which prompts this engine computes the first page of before serving
+        them (``priming``), or None when it does not (another sinks policy, no peer)."""
+        if self.settings.sinks != "prime" or not self.peers:
+            return None
+        peers = [peer.stores[peer.ranks[0]] for peer in self.peers]
+        return Primer.for_engine(
+            self.page.page_size,
+            self.inner,
+            peers,
+            threshold=self._timeouts[3],
+            tail_pages=self.settings.tail_pages,
+        )
 
     def _inner_store(self, host) -> HiCacheStorage:
         """This engine's own store: SGLang's built-in one (for Mooncake, a ``Keyspace`` over
@@ -525,7 +553,7 @@ class KVMapStorage(HiCacheStorage):
             raise _Skip("record_invalid", f"page {key} does not follow page {parent}")
         if run and first.index != next(iter(run[-1].records.values())).index + 1:
             raise _Skip("record_invalid", f"page {key} breaks the recorded positions")
-        if first.index == 0 and self.settings.sinks == "native":
+        if first.index == 0 and self.settings.sinks in NATIVE_SINKS:
             raise _Skip("no_native_sink_page", "the prefix's first page is not stored natively")
 
     def _deadline(self, requested_pages: int) -> float:
@@ -849,6 +877,14 @@ def _memory_config():
         return get_memory()
     except Exception:  # noqa: BLE001 - not published: a backend built outside a server
         return None
+
+
+def _plugins_loaded() -> bool:
+    """Whether this process loaded SGLang's plugins, as every server process does (the
+    in-process engines do not: they prime by themselves)."""
+    import sglang.srt.plugins
+
+    return bool(getattr(sglang.srt.plugins, "_plugins_loaded", False))
 
 
 def _prefix_keys_passed(memory) -> bool:

@@ -54,8 +54,8 @@ def warm(urls: Sequence[str], opening: str | Sequence[int], timeout: float) -> l
 
 def _warm_one(client: LiveClient, url: str, opening: str | Sequence[int], timeout: float) -> Warmed:
     _wait_healthy(url, timeout)
-    client.generate(url, opening, 1)
-    again = client.generate(url, opening, 1)
+    client.generate(url, opening, 1, native=True)
+    again = client.generate(url, opening, 1, native=True)
     if again.cached["device"] == 0:
         raise KVMapError(
             f"{url} holds none of the {again.prompt_tokens}-token opening after serving it: "

@@ -1,0 +1,87 @@
+"""The engine's own first page for every swap (``sgl_kvmap.sglang.priming``), on in-process
+engines: SGLang's scheduler calls, radix tree, HiCache controller and KVMapStorage over a file
+store (``sgl_kvmap.sglang.engine``; the live servers' route, the TokenizerManager hook, is
+tested in tests/test_sglang_live.py). The engines' models are the tiny random pair of
+``served_pair``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sgl_kvmap.models.capture import run
+from sgl_kvmap.sglang import StorageSettings
+from sgl_kvmap.sglang.engine import PAGE
+
+from .test_sglang_storage import Cluster, assert_translation_at_true_positions, tokens
+
+
+@pytest.fixture
+def cluster(served_pair, tmp_path):
+    cluster = Cluster(served_pair, tmp_path / "store")
+    yield cluster
+    for engine in cluster.engines:
+        engine.close()
+
+
+def assert_own_kv(engine, slots, prompt):
+    """The pool holds, at ``slots``, the KV the engine's model computes for ``prompt`` alone (its
+    bfloat16 copy)."""
+    exact = run(engine.model.model, torch.tensor(prompt)).cache
+    got = engine.pool_kv(slots)
+    for g, e in zip(got.keys + got.values, exact.keys + exact.values):
+        torch.testing.assert_close(g.float(), e, rtol=0.02, atol=0.02)
+
+
+def test_a_swap_into_an_engine_that_never_saw_its_first_page_translates_after_it(cluster):
+    """Sessions that share no opening: the receiving engine computes the swapped prompt's
+    first page first, then the pages the sender stored after it are translated at their true
+    positions, and the first page in its pool is its own KV."""
+    assert StorageSettings().sinks == "prime"
+    prompt = tokens(5 * PAGE + 3, seed=40)
+    a, b = cluster.engine(0), cluster.engine(1, sinks="prime")
+    sent = a.serve(prompt)
+    served = b.serve(prompt)
+    assert b.primed == 1
+    assert served.tiers.primed == PAGE and served.tiers.device == 0
+    assert served.tiers.translated == 4 * PAGE and served.reused == 5 * PAGE
+    assert b.storage.counters["fallback.no_native_sink_page"] == 0
+    assert_own_kv(b, served.slots[:PAGE], prompt[:PAGE])
+    assert_translation_at_true_positions(
+        b, served, a.pool_kv(sent.slots), cluster.mapper(0, 1), PAGE, 5 * PAGE
+    )
+
+
+def test_without_priming_the_same_swap_is_prefilled(cluster):
+    """The same swap under ``sinks: "native"``: nothing translated, counted."""
+    prompt = tokens(5 * PAGE + 3, seed=40)
+    a, b = cluster.engine(0), cluster.engine(1, sinks="native")
+    a.serve(prompt)
+    served = b.serve(prompt)
+    assert b.primer is None and served.reused == 0
+    assert b.storage.counters["fallback.no_native_sink_page"] >= 1
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["first page stored by the engine", "too short for a run after it", "peer holds nothing",
+     "served whole"],
+)  # fmt: skip
+def test_no_priming_where_it_would_not_pay(cluster, case):
+    """No first page is computed apart when the engine stored it already, when the prompt has
+    no translatable run after it (here: one page after page 0 with a 2-page tail), when no peer
+    stored the prompt, or when the request asks to be computed whole (``warm``)."""
+    prompt = tokens(5 * PAGE + 3, seed=41)
+    a = cluster.engine(0)
+    tail = 2 if case.startswith("too short") else 0
+    b = cluster.engine(1, sinks="prime", tail_pages=tail)
+    if case != "peer holds nothing":
+        a.serve(prompt)
+    if case.startswith("first page stored"):
+        b.serve(prompt[: PAGE + 1], prime=False)
+    if case.startswith("too short"):
+        prompt = prompt[: 3 * PAGE + 1]
+    served = b.serve(prompt, prime=case != "served whole")
+    assert b.primed == 0 and served.tiers.primed == 0
+    if case.startswith("first page stored"):
+        assert served.tiers.device == PAGE and served.tiers.translated == 4 * PAGE
