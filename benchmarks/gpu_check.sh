@@ -18,7 +18,7 @@
 # Needs torch, triton, transformers, safetensors, click, tqdm, pytest and jsonschema (a CUDA image of
 # PyTorch has all but jsonschema: install it, or carry its wheels and `pip install --target`);
 # sgl-kvmap runs from this checkout, nothing is installed. The SGLang end-to-end benchmark is
-# separate: benchmarks/bench_live.sh (it needs the models and SGLang).
+# separate: `sgl-kvmap bench --live` (it needs the models and SGLang).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-benchmarks/results}

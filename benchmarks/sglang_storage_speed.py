@@ -61,7 +61,7 @@ def main(pack, lengths, page, threads, prefill_up_to, out) -> None:
     mapper = KVMapper.from_pretrained(pack)
     setup_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
-    deadline, _ = measured_deadline([pack])
+    deadline, _ = measured_deadline([pack], page_size=page)
     products = fast_matmul_dtype("cpu")
     torch.set_num_threads(setup_threads)
     rows = []

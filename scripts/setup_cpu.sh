@@ -4,8 +4,9 @@
 # (its pin, CUDA builds that run on CPU) come from the machine's local package index, SGLang
 # itself is installed without its GPU dependencies, and only the pure-Python packages its
 # KV-cache layer imports are added, then those a live `sglang.launch_server` on this CPU needs
-# (tests/test_sglang_live.py runs it with scripts/sglang_cpu/ on PYTHONPATH, the CPU stand-ins of
-# sgl_kernel and of two HiCache lines: nothing here changes SGLang's files). On a GPU machine use
+# (the lines `sgl-kvmap sglang-args --device cpu` prints put sgl_kvmap/sglang/cpu_engine/ on
+# PYTHONPATH, the CPU stand-ins of sgl_kernel and of two HiCache lines: nothing here changes
+# SGLang's files). On a GPU machine use
 # `pip install -e '.[sglang]'` instead.
 # Last, olah (the local test Hub's mirror server) goes into .venv-olah, a virtual environment of
 # its own.

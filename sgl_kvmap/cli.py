@@ -1367,7 +1367,9 @@ def bench(
             param_hint="'--record'",
         )
     device = device or ("cuda" if _has_gpu() else "cpu")
-    deadline, lines = measured_deadline(list(packs.values()), device=device if live else "cpu")
+    deadline, lines = measured_deadline(
+        list(packs.values()), device=device if live else "cpu", page_size=page_size
+    )
     for line in [*lines, *_bench_floor_lines(names, packs)]:
         click.echo(f"# {line}", err=True)
     config = dataclasses.replace(config, deadline=deadline, store=store)
@@ -1638,7 +1640,11 @@ def sglang_args(ctx, engines, packs, store, mooncake_master, mooncake_metadata, 
         mooncake_metadata, prefetch_threshold, sinks, first_layer, derived,
     )  # fmt: skip
     deadline, lines = measured_deadline(
-        list(packs), prefetch_policy, concurrent=concurrent_translations, device=device
+        list(packs),
+        prefetch_policy,
+        concurrent=concurrent_translations,
+        device=device,
+        page_size=page_size,
     )
     for line in [*lines, *floor_lines(peers, options)]:
         click.echo(f"# {line}")

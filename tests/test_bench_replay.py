@@ -335,7 +335,7 @@ def test_the_command_writes_records_summary_and_plots_and_keeps_foreign_folders(
 
 def test_the_command_records_the_served_figures_in_the_packs(deployment, trace, tmp_path):
     """`sgl-kvmap bench --record` through click, at the serving defaults (warm opening, sinks
-    native, the 3-page tail) on copies of the tiny packs: each pack's metrics then hold the
+    prime, the 3-page tail) on copies of the tiny packs: each pack's metrics then hold the
     retention and gap closed of the swaps it translated in each translating mode, computed here
     from records.jsonl, with the page size, sinks policy and tail they were served with, and an
     engine serving as the run served reads them for its quality floor. A pack downloaded into
@@ -381,7 +381,7 @@ def test_the_command_records_the_served_figures_in_the_packs(deployment, trace, 
             assert metrics[f"served_retention{suffix}"] == pytest.approx(served / reference)
             recorded += 1
         if any(key.startswith("served_") for key in metrics):
-            assert metrics["served_page_size"] == 16 and metrics["served_sinks"] == "native"
+            assert metrics["served_page_size"] == 16 and metrics["served_sinks"] == "prime"
             assert metrics["served_first_layer"] == "mapped"
             assert metrics["served_derived"] == "withhold"
             assert metrics["served_command"].startswith("sgl-kvmap bench ")

@@ -96,9 +96,11 @@ def test_layers_import_downward_only_and_nothing_imports_in_a_cycle():
         visit(name)
 
 
-def test_only_the_storage_backend_and_the_harness_import_sglang():
-    """sglang is imported in two modules: the backend SGLang loads (sglang/storage.py) and the
-    in-process harness that drives SGLang's scheduler calls (sglang/engine.py)."""
+def test_only_what_sglang_loads_and_the_harness_import_sglang():
+    """sglang is imported by what SGLang loads: the storage backend (sglang/storage.py), the
+    plugin of its TokenizerManager (sglang/plugin.py) and what decides priming for both engines
+    (sglang/priming.py); and by the in-process harness that drives SGLang's scheduler calls
+    (sglang/engine.py)."""
     importers = set()
     for name, path in modules().items():
         for node in ast.walk(ast.parse(path.read_text())):
@@ -107,4 +109,9 @@ def test_only_the_storage_backend_and_the_harness_import_sglang():
                 names = [node.module or ""]
             if any(n == "sglang" or n.startswith("sglang.") for n in names):
                 importers.add(name)
-    assert importers == {"sgl_kvmap.sglang.storage", "sgl_kvmap.sglang.engine"}
+    assert {name for name in importers if "cpu_engine" not in name} == {
+        "sgl_kvmap.sglang.storage",
+        "sgl_kvmap.sglang.engine",
+        "sgl_kvmap.sglang.priming",
+        "sgl_kvmap.sglang.plugin",
+    }

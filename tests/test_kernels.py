@@ -127,17 +127,22 @@ def test_bfloat16_pools_with_float32_products(tiny_pair, tiny_mapper, backend):
     assert_translated(tiny_mapper, *tiny_pair, backend, torch.bfloat16, matmul_dtype=torch.float32)
 
 
-def test_the_fast_products_dtype_is_measured_on_a_cpu(monkeypatch):
-    """GPUs multiply bfloat16 fast; on a CPU the faster of the two measured products wins."""
+def test_the_fast_products_dtype_follows_the_cpus_instruction_sets(monkeypatch):
+    """GPUs multiply bfloat16 fast; a CPU does when torch finds AVX512-BF16 or AMX on it, and
+    the answer costs no product (a fresh server pays nothing for it inside a swap)."""
     from sgl_kvmap.kernels import matmul
 
     assert matmul.fast_matmul_dtype("cuda") == torch.bfloat16
-    for bf16_seconds, want in ((2.0, torch.float32), (0.5, torch.bfloat16)):
-        seconds = {torch.bfloat16: bf16_seconds, torch.float32: 1.0}
-        monkeypatch.setattr(matmul, "_product_seconds", seconds.__getitem__)
-        matmul._fastest_on_cpu.cache_clear()
+    for avx512_bf16, amx, want in (
+        (False, False, torch.float32),
+        (True, False, torch.bfloat16),
+        (False, True, torch.bfloat16),
+    ):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
+        matmul.cpu_has_native_bfloat16.cache_clear()
         assert matmul.fast_matmul_dtype("cpu") == want
-    matmul._fastest_on_cpu.cache_clear()
+    matmul.cpu_has_native_bfloat16.cache_clear()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

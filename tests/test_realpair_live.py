@@ -3,9 +3,8 @@
 The 0.5B and the 1.5B each run from the line ``sgl-kvmap sglang-args --device cpu`` prints for
 them (with a pack 0.5B -> 1.5B fitted here on a small budget, the store in a temporary folder,
 ``--audit-translations``), started one after the other, driven only through ``POST
-/generate``. The CPU test environment is the one of tests/test_sglang_live.py (its
-``ENVIRONMENT``: the stand-in sgl_kernel and SGLang's two CPU HiCache fixes of
-scripts/sglang_cpu, a host-memory reserve this machine can meet). The pack is fitted before any
+/generate``. The printed lines carry the CPU engine's environment (tests/test_sglang_live.py;
+its ``ENVIRONMENT`` only puts this interpreter first on ``PATH``). The pack is fitted before any
 server starts and the fitting models are released, so the test process and both servers never
 hold the pair twice.
 """

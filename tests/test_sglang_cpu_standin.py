@@ -16,12 +16,13 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-FOLDER = Path(__file__).resolve().parents[1] / "scripts" / "sglang_cpu"
+from sgl_kvmap.sglang.launch import CPU_ENGINE_FOLDER
+
+FOLDER = CPU_ENGINE_FOLDER
 LAYERS, HEADS, DIM, SLOTS, PAGE = 3, 2, 8, 64, 4
 
 

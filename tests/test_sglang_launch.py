@@ -30,34 +30,50 @@ def test_the_deadline_leaves_the_margin_at_every_length(measured):
 
 
 def test_cpu_engine_lines_run_as_printed_in_a_shell(model_folders, tmp_path):
-    """``device="cpu"``: the environment assignment SGLang's CPU engine needs, then ``python -m
-    sglang.launch_server`` with its flags; ``shell_line`` of it, run by bash, starts ``python``
-    with exactly those arguments (the JSON extra config intact) and the variable set. A stand-in
-    ``python`` first on PATH records what it was started with."""
+    """``device="cpu"``: the environment SGLang's CPU engine needs (its switch, sgl-kvmap's CPU
+    stand-ins on PYTHONPATH, a host-memory reserve), then ``python -m sglang.launch_server`` with
+    its flags; ``shell_line`` of it, run by bash, starts ``python`` with exactly those arguments
+    (the JSON extra config intact) and the variables set. A stand-in ``python`` first on PATH
+    records what it was started with."""
     import json
     import os
     import subprocess
     import sys
 
-    from sgl_kvmap.sglang.launch import EngineSpec, LaunchOptions, engine_commands, shell_line
+    from sgl_kvmap.sglang.launch import (
+        CPU_ENGINE_FOLDER,
+        EngineSpec,
+        LaunchOptions,
+        engine_commands,
+        shell_line,
+    )
 
     engines = [EngineSpec(model_folders["source"], "small", port=31000)]
     options = LaunchOptions(store_path="/tmp/a b", device="cpu", max_total_tokens=64)
     (argv,) = engine_commands(engines, [], options)
-    assert argv[:4] == ["SGLANG_USE_CPU_ENGINE=1", "python", "-m", "sglang.launch_server"]
+    assert argv[:3] == [
+        "SGLANG_USE_CPU_ENGINE=1",
+        f"PYTHONPATH={CPU_ENGINE_FOLDER}",
+        f"KVMAP_HICACHE_RESERVE_BYTES={1 << 30}",
+    ]
+    assert argv[3:6] == ["python", "-m", "sglang.launch_server"]
+    assert (CPU_ENGINE_FOLDER / "sitecustomize.py").is_file()
+    assert (CPU_ENGINE_FOLDER / "sgl_kernel" / "kvcacheio.py").is_file()
     assert argv[-6:] == [
         "--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", "64"
     ]  # fmt: skip
     recorder = tmp_path / "python"
     recorder.write_text(
         f"#!{sys.executable}\nimport json, os, sys\n"
-        "print(json.dumps([os.environ.get('SGLANG_USE_CPU_ENGINE'), sys.argv[1:]]))\n"
+        "names = ('SGLANG_USE_CPU_ENGINE', 'PYTHONPATH', 'KVMAP_HICACHE_RESERVE_BYTES')\n"
+        "print(json.dumps([[os.environ.get(n) for n in names], sys.argv[1:]]))\n"
     )
     recorder.chmod(0o755)
     env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
     env.pop("SGLANG_USE_CPU_ENGINE", None)
     ran = subprocess.run(["bash", "-c", shell_line(argv)], env=env, capture_output=True, text=True)
-    assert json.loads(ran.stdout) == ["1", argv[2:]]
+    variables = [word.split("=", 1)[1] for word in argv[:3]]
+    assert json.loads(ran.stdout) == [variables, argv[4:]]
 
 
 def test_cuda_engine_lines_are_unchanged_by_the_cpu_options(model_folders):

@@ -13,21 +13,12 @@ the stop policy is ``wait_complete``
 (``sglang-args --prefetch-policy wait_complete``): these tests check what is translated, and a
 loaded 2-core machine missed the deadline sglang-args measured on the first translations.
 
-Substituted for this CPU test environment (environment variables added to each printed line,
-nothing else; a GPU deployment needs none of them):
-
-- ``PYTHONPATH`` gains ``scripts/sglang_cpu``: a stand-in ``sgl_kernel`` package (torch versions
-  of the two CPU ops SGLang's CPU engine imports and of ``sgl_kernel.kvcacheio``'s host <->
-  device copies; no ``torch.ops.sgl_kernel`` op, so every layer runs ``forward_native``) and a
-  ``sitecustomize`` import hook that applies SGLang's two CPU HiCache fixes after the modules
-  load (the host pool pins memory only where pinning exists; ``pool_host/mha.py`` gets the
-  stand-in's transfer functions on CPU). Both are described in scripts/sglang_cpu. It also
-  gains this checkout's root, so the servers (and ``sgl-kvmap sglang-args``, run with the same
-  variables) load the sgl_kvmap under test whichever copy is installed.
-- ``KVMAP_HICACHE_RESERVE_BYTES`` = 256 MiB: read by that hook, it replaces SGLang's 10 GiB
-  host-memory reserve, which a 24 GiB test machine running other jobs does not have free.
-- ``PATH`` starts with this interpreter's folder: the printed ``python`` is the Python running
-  these tests (where sglang and sgl-kvmap are installed).
+The printed ``--device cpu`` lines carry SGLang's CPU engine environment themselves
+(``launch.CPU_ENVIRONMENT``: sgl-kvmap's CPU stand-ins of ``sgl_kernel`` and of two HiCache lines
+on ``PYTHONPATH``, ``sgl_kvmap/sglang/cpu_engine``, and a 1 GiB host-memory reserve instead of
+SGLang's 10 GiB); a GPU deployment's lines carry none of it. The one variable these tests add:
+``PATH`` starts with this interpreter's folder, so the printed ``python`` is the Python running
+these tests (where sglang and sgl-kvmap are installed).
 
 The tests also read the store folder (the page files HiCache's ``file`` store names
 ``{page hash}_{served name, / as -}_{tp rank}_{tp size}.bin``): to wait until a server's
@@ -74,19 +65,15 @@ ANSWER = 8  # greedy tokens per request
 NAMES = {"a": "tiny-a", "b": "tiny-b"}  # served names
 START_TIMEOUT_S = 420.0
 STORE_TIMEOUT_S = 60.0
-ENVIRONMENT = {
-    "PYTHONPATH": f"{ROOT / 'scripts' / 'sglang_cpu'}:{ROOT}",
-    "KVMAP_HICACHE_RESERVE_BYTES": str(256 * 2**20),
-    "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
-}
+ENVIRONMENT = {"PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
 
 
 class Deployment:
     """The printed command lines of one ``sglang-args`` call and the servers running them.
     ``store``: the file store's folder (its counters' folder with ``store_args``, sglang-args'
     options of another store); ``env``: the variables added to each printed line; ``sinks``,
-    ``first_layer`` and ``derived``: sglang-args' ``--sinks``, ``--first-layer`` and
-    ``--derived`` (None: its default)."""
+    ``first_layer``, ``derived`` and ``prefetch_policy``: sglang-args' ``--sinks``,
+    ``--first-layer``, ``--derived`` and ``--prefetch-policy`` (None: its default)."""
 
     def __init__(
         self,
@@ -100,6 +87,7 @@ class Deployment:
         sinks: str | None = None,
         first_layer: str | None = None,
         derived: str | None = None,
+        prefetch_policy: str | None = "wait_complete",
     ):
         self.folder, self.store = folder, Path(store)
         self.store.mkdir(parents=True, exist_ok=True)
@@ -111,8 +99,8 @@ class Deployment:
         args += ["--store-path", str(self.store), *store_args]
         args += ["--max-total-tokens", str(MAX_TOTAL_TOKENS)]
         args += ["--audit-translations", "--quality-floor", "none"]  # tiny packs: no eval
-        # what is translated, not when: a loaded 2-core machine missed the measured deadline
-        args += ["--prefetch-policy", "wait_complete"]
+        # what is translated, not when, unless a test asks for sglang-args' default (None)
+        args += ["--prefetch-policy", prefetch_policy] if prefetch_policy else []
         args += ["--sinks", sinks] if sinks else []
         args += ["--first-layer", first_layer] if first_layer else []
         args += ["--derived", derived] if derived else []
@@ -471,8 +459,9 @@ def test_concurrent_sessions_on_both_servers(live):
 @pytest.fixture(scope="module")
 def defaults(served_pair, tmp_path_factory):
     """Servers launched with sglang-args' defaults (an engine computes a prefix's first page
-    itself, priming it before a swap that needs it), ``--first-layer exact`` and ``--derived
-    share``; started on first use."""
+    itself, priming it before a swap that needs it; SGLang's ``timeout`` prefetch policy with
+    the deadline sglang-args measures), ``--first-layer exact`` and ``--derived share``; started
+    on first use."""
     folder = tmp_path_factory.mktemp("defaults")
     deployment = Deployment(
         folder,
@@ -482,6 +471,7 @@ def defaults(served_pair, tmp_path_factory):
         folder / "store",
         first_layer="exact",
         derived="share",
+        prefetch_policy=None,
     )
     yield deployment
     deployment.stop("a", "b")
@@ -490,12 +480,14 @@ def defaults(served_pair, tmp_path_factory):
 def test_a_swap_whose_first_page_b_never_saw_translates_after_bs_own_first_page(
     defaults, served_pair
 ):
-    """Sessions that share no opening: a session A served, swapped to B, which never served
-    its first page. B's TokenizerManager (sgl-kvmap's SGLang plugin) has B compute that page
-    first; the swap then reports it as a device hit and A's pages after it, less the tail, as
-    storage hits. B's stored copy of the first page is its own forward's KV, no audit copy of it
-    exists (it was never translated), and the pages B received translated are the pack's
-    translation of A's pages (with B's own layer 0)."""
+    """The first swap of fresh servers, under SGLang's ``timeout`` policy and the deadline
+    sglang-args measured, between sessions that share no opening: a session A served, swapped to
+    B, which never served its first page. B's TokenizerManager (sgl-kvmap's SGLang plugin) has
+    B compute that page first; the swap then reports it as a device hit and A's pages after it,
+    less the tail, as storage hits, and sgl-kvmap's report in its ``meta_info`` says so. B's
+    stored copy of the first page is its own forward's KV, no audit copy of it exists (it was
+    never translated), and the pages B received translated are the pack's translation of A's
+    pages (with B's own layer 0)."""
     import torch
 
     from sgl_kvmap.models.capture import run
@@ -503,6 +495,8 @@ def test_a_swap_whose_first_page_b_never_saw_translates_after_bs_own_first_page(
     live = defaults
     tail = live.extra_config("b")["tail_pages"]
     assert live.extra_config("b")["sinks"] == "prime"
+    assert "--hicache-storage-prefetch-policy timeout" in live.line("b")
+    assert not live.servers  # fresh servers: this swap is B's first
     with live.client("a", "b") as client:
         history = first_turn(client, live, "a", prompt(310, 300))
         second = [*history, *prompt(311, 60)]
@@ -511,6 +505,11 @@ def test_a_swap_whose_first_page_b_never_saw_translates_after_bs_own_first_page(
     pages = stored - 1 - tail
     assert pages * PAGE >= THRESHOLD
     assert generation.cached == {"device": PAGE, "host": 0, "storage": pages * PAGE}
+    assert generation.kvmap == {
+        "translated_tokens": pages * PAGE,
+        "primed_tokens": PAGE,
+        "status": "translated",
+    }
     first = page_hashes(second)[0]
     assert not (live.store / f"{first}.translated_{NAMES['b']}_0_1.bin").exists()
     wait_stored(live, "b", second, 1)

@@ -391,12 +391,13 @@ def test_the_default_floor_is_better_than_staying_on_the_source():
     assert StorageSettings.from_extra_config(extra).quality_floor is None
 
 
-def test_native_sinks_translate_after_a_first_page_of_its_own(cluster):
-    """``"sinks": "native"`` (the default): the first page must be the engine's own; after it,
-    translation."""
-    assert StorageSettings().sinks == "native"
+@pytest.mark.parametrize("sinks", ["native", "prime"])
+def test_native_sinks_translate_after_a_first_page_of_its_own(cluster, sinks):
+    """``"sinks": "native"``, and "prime" (the default) for an engine that holds the first
+    page already: the first page must be the engine's own; after it, translation."""
+    assert StorageSettings().sinks == "prime"
     prompt = tokens(4 * PAGE + 3, seed=21)
-    a, b = cluster.engine(0, translate=False), cluster.engine(1, sinks=StorageSettings.sinks)
+    a, b = cluster.engine(0, translate=False), cluster.engine(1, sinks=sinks)
     b.serve(prompt[: PAGE + 1])
     sent = a.serve(prompt)
     served = b.serve(prompt)
@@ -415,7 +416,7 @@ def test_an_opening_a_peer_stored_is_computed_by_the_engine_that_serves_it(clust
     session = [*opening, *tokens(3 * PAGE + 5, seed=27)]
     a, b = cluster.engine(0), cluster.engine(1, sinks=StorageSettings.sinks)
     a.serve([*opening, 1])
-    warmed = b.serve([*opening, 1])
+    warmed = b.serve([*opening, 1], prime=False)  # as ``sgl-kvmap warm`` asks
     assert warmed.reused == 0 and b.storage.counters["translated_pages_delivered"] == 0
     assert b.storage.counters["fallback.no_native_sink_page"] >= 1
     exact = run(b.model.model, torch.tensor(opening)).cache

@@ -15,8 +15,8 @@ counts per tier, KVMapStorage's counters from its stats file), then both servers
 store is deleted (the master stopped), so nothing one replay cached or translated reaches the
 next.
 
-The servers inherit this process's environment, plus ``env``: a CPU test machine adds what
-scripts/sglang_cpu needs (benchmarks/bench_live.sh does).
+The servers inherit this process's environment, plus ``env``; a CPU engine's lines carry what
+SGLang's CPU engine needs (``launch.CPU_ENVIRONMENT``).
 """
 
 from __future__ import annotations

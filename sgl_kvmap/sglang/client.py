@@ -34,13 +34,16 @@ class LiveServerError(KVMapError):
 
 @dataclass(frozen=True)
 class Generation:
-    """One streamed greedy generation: the answer, the time to its first token, and the
-    prompt tokens the server reports cached per tier (``SERVER_TIERS``)."""
+    """One streamed greedy generation: the answer, the time to its first token, the prompt
+    tokens the server reports cached per tier (``SERVER_TIERS``), and what sgl-kvmap did for the
+    request (``meta_info["kvmap"]``, its SGLang plugin's report: ``plugin``; None from a server
+    without it)."""
 
     output_ids: tuple[int, ...]
     ttft_s: float
     prompt_tokens: int
     cached: dict[str, int]
+    kvmap: dict | None = None
 
 
 class LiveClient:
@@ -126,6 +129,7 @@ class LiveClient:
             ttft_s=(first or time.perf_counter()) - started,
             prompt_tokens=int(meta["prompt_tokens"]),
             cached=cached_by_tier(meta),
+            kvmap=meta.get("kvmap"),
         )
 
     def answer_nll(self, model: str, prompt: Sequence[int], answer: Sequence[int]) -> float:

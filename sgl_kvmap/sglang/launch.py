@@ -32,9 +32,18 @@ from .settings import (
 PREFETCH_POLICIES = ("timeout", "wait_complete", "best_effort")
 DEVICES = ("cuda", "cpu")  # --device: SGLang's GPU engine, or its CPU engine
 # What SGLang's CPU engine needs besides --device cpu: the variable that selects it (without it
-# SGLang's rotary embedding imports vllm) and torch-native attention (the x86 default, intel_amx,
-# needs compiled sgl_kernel CPU ops)
-CPU_ENVIRONMENT = {"SGLANG_USE_CPU_ENGINE": "1"}
+# SGLang's rotary embedding imports vllm), torch-native attention (the x86 default, intel_amx,
+# needs compiled sgl_kernel CPU ops), and this package's CPU stand-ins on PYTHONPATH
+# (``cpu_engine``: an sgl_kernel of torch ops, no compiled build of which exists for CPUs, and
+# SGLang 0.5.23's two CPU HiCache fixes) with a host-memory reserve a CPU machine can meet
+# (SGLang keeps 10 GiB free beside the host pool; the stand-ins read this instead)
+CPU_ENGINE_FOLDER = Path(__file__).with_name("cpu_engine")
+CPU_HOST_RESERVE_BYTES = 1 << 30
+CPU_ENVIRONMENT = {
+    "SGLANG_USE_CPU_ENGINE": "1",
+    "PYTHONPATH": str(CPU_ENGINE_FOLDER),
+    "KVMAP_HICACHE_RESERVE_BYTES": str(CPU_HOST_RESERVE_BYTES),
+}
 CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native")
 STORE_PATH = "/tmp/sgl-kvmap-hicache"  # the file store's folder
 MOONCAKE_METADATA_PORT = 8080  # the Mooncake master's HTTP metadata server, by default
@@ -384,6 +393,7 @@ def _command(engine, peers, options: LaunchOptions, deadline) -> list[str]:
         "--port", str(engine.port),
         "--tp-size", str(engine.tp_size),
         "--page-size", str(options.page_size),
+        "--enable-cache-report",  # cached tokens in the OpenAI endpoints' usage
         "--enable-hierarchical-cache",
         "--hicache-mem-layout", "page_first",
         "--hicache-write-policy", "write_through",
@@ -404,13 +414,14 @@ def measured_deadline(
     lengths: tuple[int, int] = (1024, 4096),
     concurrent: int = StorageSettings.concurrent_translations,
     device: str = "cuda",
+    page_size: int = PAGE_SIZE,
 ) -> tuple[PrefetchDeadline, list[str]]:
     """The prefetch deadline for the slowest pack's translation, timed on this machine as an
     engine runs it (one torch thread; on the GPU when there is one) with ``concurrent`` swaps
     translated at once (an engine's ``concurrent_translations``: a swap may arrive while the
     others are translated, and must still land), and a line per pack saying what was
     measured. ``device``: the engines' (``LaunchOptions.device``); a cuda engine translates on
-    its GPU when this machine has one."""
+    its GPU when this machine has one; ``page_size``: the engines' tokens per page."""
     import torch
 
     from ..core.mapper import KVMapper
@@ -420,7 +431,9 @@ def measured_deadline(
     deadlines, lines = [], []
     for pack in packs:
         mapper = KVMapper.from_pretrained(pack).to(device)
-        times = [(n, hand_over_seconds(mapper, n, concurrent=concurrent)) for n in lengths]
+        times = [
+            (n, hand_over_seconds(mapper, n, page_size, concurrent=concurrent)) for n in lengths
+        ]
         deadlines.append(prefetch_deadline(times, policy=policy))
         measured = ", ".join(f"{n:,} tokens {t:.2f} s" for n, t in times)
         lines.append(

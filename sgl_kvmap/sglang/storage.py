@@ -39,8 +39,9 @@ Rules (docs/sglang.md):
   (``counters``, also written to ``stats_path``) and logged once; nothing is raised into the
   scheduler.
 
-This module and the in-process harness ``engine`` (which drives SGLang's scheduler calls for the
-tests and the benchmark) are the only modules that import sglang.
+This module, SGLang's plugin (``plugin``, with ``priming``) and the in-process harness
+``engine`` (which drives SGLang's scheduler calls for the tests and the benchmark) are the only
+modules that import sglang.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ from .heads import rank_heads, ranks_covering_heads
 from .identity import DIGITS, identity_config, local_weights_digest, model_identity, split_identity
 from .jobs import Job, JobPool
 from .pages import PageFormat
-from .priming import Primer, registered
+from .plugin import registered
+from .priming import Primer
 from .provenance import Provenance, Verdict
 from .records import PageRecord, derived_key, empty_record, page_crc32, record_key
 from .settings import NATIVE_SINKS, PeerSettings, StorageSettings
@@ -415,7 +417,7 @@ class KVMapStorage(HiCacheStorage):
             return self._fallback("peer_unverifiable", f"peer {settings.model_name}: {error}")
         device = _engine_device(self.mem_pool_host)
         log.info("sgl-kvmap: translating pages of %s with %s", settings.model_name, settings.pack)
-        return Peer(
+        connected = Peer(
             settings,
             peer,
             ranks,
@@ -425,6 +427,24 @@ class KVMapStorage(HiCacheStorage):
             weights=_short(local_weights_digest(settings.model_path)),
             first_layer=self._first_layer(settings, own),
             derived=self.settings.derived == "share",
+        )
+        self._warm_up(connected)
+        return connected
+
+    def _warm_up(self, peer: Peer) -> None:
+        """Translate one page of zeros from ``peer`` now, while the server starts: what a
+        process pays on its first translation (kernel choice, rotary tables, first-layer
+        tables, allocations) is then paid before it reports healthy, not inside its first
+        swap's prefetch deadline."""
+        started = time.perf_counter()
+        spec, size = peer.spec, self.page.page_size
+        shape = (2, size, spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        translate_run(peer.mapper, torch.zeros(shape, dtype=self.page.dtype), size, self.page,
+                      peer.first_layer)  # fmt: skip
+        log.info(
+            "sgl-kvmap: first translation from %s warmed up in %.2f s",
+            peer.name,
+            time.perf_counter() - started,
         )
 
     def _first_layer(self, settings: PeerSettings, own: ModelSpec) -> ExactFirstLayer | None:
@@ -611,7 +631,7 @@ class KVMapStorage(HiCacheStorage):
         if native < len(keys) and self.peers:
             size = self.page.page_size
             done = self._deliver(keys[native:], host_indices[native * size :])
-            self._publish()
+        self._publish()
         return [True] * (native + done) + [False] * (len(keys) - native - done)
 
     def _load_native(self, keys, host_indices) -> int:

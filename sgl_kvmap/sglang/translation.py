@@ -108,7 +108,7 @@ def _stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def hand_over_seconds(
-    mapper: KVMapper, tokens: int, page_size: int = 64, threads: int = 1, concurrent: int = 1
+    mapper: KVMapper, tokens: int, page_size: int, threads: int = 1, concurrent: int = 1
 ) -> float:
     """Seconds KVMapStorage's own work on ``tokens`` stored tokens takes on this machine when
     ``concurrent`` swaps are translated at once (by as many workers, each its own thread, as

@@ -1,10 +1,10 @@
-"""SGLang 0.5.23's two CPU HiCache fixes, for live servers in the CPU test environment only.
+"""SGLang 0.5.23's two CPU HiCache fixes, for live servers on SGLang's CPU engine only.
 
 Python imports this module at start-up in every process whose ``PYTHONPATH`` holds
-``scripts/sglang_cpu`` (tests/test_sglang_live.py starts its servers so; SGLang's scheduler and
-detokenizer processes inherit it). It changes no file: a ``sys.meta_path`` finder wraps the
-loader of two SGLang modules and, right after each has executed, and only when
-``sglang.__version__`` is 0.5.23 and the engine is SGLang's CPU engine
+``sgl_kvmap/sglang/cpu_engine`` (the lines ``sgl-kvmap sglang-args --device cpu`` prints;
+SGLang's scheduler and detokenizer processes inherit it). It changes no file: a
+``sys.meta_path`` finder wraps the loader of two SGLang modules and, right after each has
+executed, and only when ``sglang.__version__`` is 0.5.23 and the engine is SGLang's CPU engine
 (``SGLANG_USE_CPU_ENGINE=1``), makes one change to it:
 
 1. ``sglang.srt.mem_cache.pool_host.base``: ``HostKVCache`` keeps ``pin_memory=True`` on a CPU

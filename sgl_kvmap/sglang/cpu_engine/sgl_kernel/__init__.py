@@ -11,8 +11,8 @@ that raise NotImplementedError (speculative decoding is not served by this stand
 registered under ``torch.ops.sgl_kernel``, so ``sglang.srt.utils.cpu_has_amx_support()`` stays
 False and every layer takes its ``forward_native`` path.
 
-It is importable only where ``scripts/sglang_cpu`` is on ``PYTHONPATH`` (tests/test_sglang_live.py
-puts it there for the servers it starts); a GPU install never sees it.
+It is importable only where ``sgl_kvmap/sglang/cpu_engine`` is on ``PYTHONPATH`` (the lines
+``sgl-kvmap sglang-args --device cpu`` prints put it there); a GPU engine's lines never do.
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ def assign_req_to_token_pool_cpu(
 def _not_implemented(name: str):
     def kernel(*args, **kwargs):
         raise NotImplementedError(
-            f"sgl_kernel.{name} is not implemented by the CPU stand-in in scripts/sglang_cpu "
-            "(speculative decoding is not supported there)"
+            f"sgl_kernel.{name} is not implemented by sgl-kvmap's CPU stand-in "
+            "(sgl_kvmap/sglang/cpu_engine; speculative decoding is not supported there)"
         )
 
     kernel.__name__ = name
