@@ -875,6 +875,23 @@ def tune(
     "prompt of this many tokens, on this machine (0: off).",
 )
 @click.option(
+    "--page-size",
+    "served_page_size",
+    type=COUNT,
+    default=EVAL.served_page_size,
+    show_default=True,
+    help="The engines' --page-size: the hand-off as served computes its first page and "
+    "translates whole pages.",
+)
+@click.option(
+    "--tail-pages",
+    "served_tail_pages",
+    type=click.IntRange(min=0),
+    default=EVAL.served_tail_pages,
+    show_default=True,
+    help="The engines' --tail-pages: the last pages the hand-off as served computes.",
+)
+@click.option(
     "--record",
     is_flag=True,
     help="Also write the measured figures into PACK's metrics (retention and gap closed per "
@@ -897,6 +914,8 @@ def eval_(
     sweeps,
     anchor_choice,
     speed_tokens,
+    served_page_size,
+    served_tail_pages,
     record,
     as_json,
 ) -> None:
@@ -919,7 +938,10 @@ def eval_(
             "the timing covers anchors picked by the draft only", ctx, param_hint="'--speed-tokens'"
         )
     repair = _config(ctx, _repair, anchors, draft, sweeps, anchor_choice)
-    config = _config(ctx, EvalConfig, prefix_len, continuation, tail, windows, repair, speed_tokens)
+    config = _config(
+        ctx, EvalConfig, prefix_len, continuation, tail, windows, repair, speed_tokens,
+        served_page_size, served_tail_pages,
+    )  # fmt: skip
     if record and Path(pack).parent.name == "snapshots":
         raise click.BadParameter(
             f"{pack} is a download in the Hugging Face cache; copy it (cp -rL) and "
@@ -944,6 +966,7 @@ def eval_(
         continuation,
         tail,
         repair=config.repair,
+        served=(config.served_page_size, config.served_tail_pages),
     )
     speed = None
     if speed_tokens:
@@ -1568,6 +1591,14 @@ def _has_gpu() -> bool:
     "is above this; 0: better than staying on the source model; 'none': any pack.",
 )
 @click.option(
+    "--retention-floor",
+    type=click.FloatRange(0, 1),
+    default=StorageSettings.retention_floor,
+    show_default=True,
+    help="For a pack whose target does not beat its source (no gap to close): the retention it "
+    "must record (translated accuracy over the target's own).",
+)
+@click.option(
     "--prefetch-threshold",
     type=COUNT,
     default=PREFETCH_THRESHOLD,
@@ -1613,7 +1644,8 @@ def _has_gpu() -> bool:
 @click.pass_context
 def sglang_args(ctx, engines, packs, store, mooncake_master, mooncake_metadata, store_path,
                 page_size, port, tp_size, prefetch_policy, device, max_total_tokens, tail_pages,
-                concurrent_translations, prefetch_threshold, quality_floor, sinks, first_layer,
+                concurrent_translations, prefetch_threshold, quality_floor, retention_floor, sinks,
+                first_layer,
                 derived, audit_translations):  # fmt: skip
     """Print the SGLang launch command of every ENGINE, sharing prefixes through sgl-kvmap."""
     from .sglang.launch import (
@@ -1638,6 +1670,7 @@ def sglang_args(ctx, engines, packs, store, mooncake_master, mooncake_metadata, 
         store, store_path, page_size, device, max_total_tokens, tail_pages,
         concurrent_translations, audit_translations, quality_floor, mooncake_master,
         mooncake_metadata, prefetch_threshold, sinks, first_layer, derived,
+        retention_floor=retention_floor,
     )  # fmt: skip
     deadline, lines = measured_deadline(
         list(packs),

@@ -189,6 +189,16 @@ def test_auto_k_prefers_the_smallest_sufficient_k(exact_problem):
     assert report.per_k[1]["k"] < 0.99 < report.per_k[2]["k"]
 
 
+def test_a_fixed_k_above_the_source_layers_reads_every_source_layer(exact_problem):
+    """``top_k`` 4 on a 3-layer source (the bench's recipe on a small source): every target
+    layer reads all 3 source layers, as ``top_k`` 3 does, instead of failing."""
+    *_, stats = exact_problem
+    wide, report = fit_from_statistics(stats, CalibrationConfig(ridge=1e-6, top_k=4))
+    exact, _ = fit_from_statistics(stats, CalibrationConfig(ridge=1e-6, top_k=3))
+    assert report.chosen_k == 3
+    assert wide.selection == exact.selection and all(len(s) == 3 for s in wide.selection)
+
+
 def test_auto_layer_k_picks_each_layers_own_k(exact_problem):
     *_, stats = exact_problem
     mapper, report = fit_from_statistics(stats, CalibrationConfig(ridge=1e-6, top_k="auto-layer"))

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from sgl_kvmap.cli import main
 from sgl_kvmap.fitting.config import FAMILY_RATES, DemoConfig, PackRecipe
+from sgl_kvmap.sglang.launch import CPU_ENVIRONMENT
 
 from .conftest import save_loaded, tiny_model
 
@@ -287,21 +288,23 @@ def test_sglang_args_give_the_target_its_peer_and_pack(fitted_pack, model_dirs):
 
 
 def test_sglang_args_for_cpu_engines_print_lines_a_shell_runs(fitted_pack, model_dirs):
-    """``--device cpu``: each printed line is ``SGLANG_USE_CPU_ENGINE=1 python -m
-    sglang.launch_server ...`` with SGLang's CPU engine flags (torch-native attention) and
-    ``--max-total-tokens`` when given, every flag taken by SGLang's own parser; the default
-    (``--device cuda``, no sizing) prints what it printed before: no environment, no flag of
-    either."""
+    """``--device cpu``: each printed line is ``SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=<sgl-kvmap's
+    CPU stand-ins> KVMAP_HICACHE_RESERVE_BYTES=<1 GiB> python -m sglang.launch_server ...`` with
+    SGLang's CPU engine flags (torch-native attention) and ``--max-total-tokens`` when given,
+    every flag taken by SGLang's own parser, the cache report among them; the default
+    (``--device cuda``, no sizing) prints no environment and no flag of either."""
     source, target = model_dirs
     args = ["sglang-args", "--engine", source, "--engine", target, "--pack", str(fitted_pack[0])]
     cpu = commands_of(succeed([*args, "--device", "cpu", "--max-total-tokens", "4096"]).output)
     commands = [shlex.split(line) for line in cpu]
     assert len(commands) == 2
     for words in commands:
-        assert words[:4] == ["SGLANG_USE_CPU_ENGINE=1", "python", "-m", "sglang.launch_server"]
-        parsed = sglang_parses(words[4:])
+        assert [word.split("=")[0] for word in words[:3]] == [*CPU_ENVIRONMENT]
+        assert words[3:6] == ["python", "-m", "sglang.launch_server"]
+        parsed = sglang_parses(words[6:])
         assert (parsed.device, parsed.attention_backend) == ("cpu", "torch_native")
         assert parsed.max_total_tokens == 4096 and parsed.enable_hierarchical_cache
+        assert parsed.enable_cache_report
     gpu = commands_of(succeed(args).output)
     assert commands_of(succeed([*args, "--device", "cuda"]).output) == gpu
     assert len(gpu) == 2 and all(line.startswith("python -m sglang.launch_server ") for line in gpu)

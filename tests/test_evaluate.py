@@ -202,3 +202,24 @@ def test_evaluated_recent_anchors_score_as_a_longer_tail(tiny_pair, tiny_mapper,
     longer = evaluate(tiny_mapper, source, target, windows, 64, 16, tail=12)
     assert [w["repaired"] for w in recent.by_window] == [w["mapped_tail"] for w in longer.by_window]
     assert "8 anchors by recency" in recent.table()
+
+
+def test_the_hand_off_as_served_computes_its_first_page_and_tail(tiny_pair, text_mapper, text_dir):
+    """The served hand-off (``served``: page size, tail pages) translates whole pages after a
+    first page the target computes, layer 0 mapped, and computes the rest: with a tail that
+    leaves only the first page translated it scores as the target's own cache, window by
+    window; with 8-token pages and a 1-page tail its first page is computed, 4 pages translated
+    with the pack's layer 0 and the rest computed, which scores apart from the library's
+    translated cache (4 sink tokens, 47 tokens translated with the target's own layer 0)."""
+    source, target = tiny_pair
+    windows = eval_windows(target.tokenizer, expand_paths([text_dir / "eval"]), 80, 2)
+    whole = evaluate(text_mapper, source, target, windows, 48, 32, tail=8, served=(8, 8))
+    assert [w["served"] for w in whole.by_window] == [w["reference"] for w in whole.by_window]
+    assert whole.summary()["eval_served_page_size"] == 8
+    assert whole.summary()["eval_served_tail"] == 64
+    assert "target, as served (8-token pages, 64-token tail)" in whole.table()
+    served = evaluate(text_mapper, source, target, windows, 48, 32, tail=0, served=(8, 1))
+    assert served.served.nll != served.mapped.nll
+    assert served.summary()["eval_served_nll"] == served.served.nll
+    off = evaluate(text_mapper, source, target, windows, 48, 32, tail=8, served=None)
+    assert off.served is None and "eval_served_page_size" not in off.summary()

@@ -302,7 +302,9 @@ def offline_and_untimed(monkeypatch):
 
     monkeypatch.setattr(sources, "_source", sources.local_folders)
     monkeypatch.setattr(packs, "fetch_pack", no_hub)
-    monkeypatch.setattr(translation, "hand_over_seconds", lambda mapper, n, **kw: 0.01 + n * 1e-5)
+    monkeypatch.setattr(
+        translation, "hand_over_seconds", lambda mapper, n, page, **kw: 0.01 + n * 1e-5
+    )
 
 
 @settings(FUZZ, max_examples=120)

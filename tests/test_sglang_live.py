@@ -559,6 +559,8 @@ def test_a_warmed_opening_stays_the_engines_own_and_only_what_follows_is_transla
         assert f"{url}: served the opening ({len(opening)} tokens); {held} of them" in (
             result.output
         )
+        partial = f"its last {len(opening) - held} tokens ({held}..{len(opening) - 1}) end a "
+        assert partial + f"partial {PAGE}-token page" in " ".join(result.output.split())
         wait_stored(live, model, opening, held // PAGE)
     for key in page_hashes(opening):
         assert not (live.store / f"{key}.translated_{NAMES['b']}_0_1.bin").exists()

@@ -382,6 +382,45 @@ def test_a_pack_translates_only_above_the_quality_floor(
         torch.testing.assert_close(served.logits, exact_logits(b, prompt))
 
 
+# the library's hand-off as these engines serve it (``eval --record``): 8-token pages, 1-page tail
+AS_SERVED = {"eval_served_page_size": PAGE, "eval_served_tail": PAGE}
+NO_GAP = {"eval_source_accuracy": 0.7, "eval_reference_accuracy": 0.6}
+
+
+@pytest.mark.parametrize(
+    "sinks, metrics, translates",
+    [
+        ("prime", {"eval_gap_closed_tail": -0.5, **AS_SERVED, "eval_gap_closed_served": 0.2},
+         True),  # the figure as served comes before the library's own hand-off
+        ("native", {"eval_gap_closed_tail": -0.5, **AS_SERVED, "eval_gap_closed_served": 0.2},
+         True),
+        ("prime", {"eval_gap_closed_tail": -0.5, **AS_SERVED, "eval_gap_closed_served": 0.2,
+                   "eval_served_tail": 2 * PAGE}, False),  # measured with another tail
+        ("translate", {"eval_gap_closed_tail": -0.5, **AS_SERVED, "eval_gap_closed_served": 0.2},
+         False),  # these engines translate first pages: not what was measured
+        ("prime", {**NO_GAP, **AS_SERVED, "eval_retention_served": 0.97}, True),  # no gap
+        ("prime", {**NO_GAP, **AS_SERVED, "eval_retention_served": 0.9}, False),
+        ("prime", {**NO_GAP, "eval_retention_tail": 0.99}, True),  # the library's hand-off
+        ("prime", {**NO_GAP}, False),  # no retention measured
+    ],
+)  # fmt: skip
+def test_the_floor_reads_the_hand_off_as_served_and_the_retention_of_a_pack_with_no_gap(
+    cluster, deployment, tmp_path, sinks, metrics, translates
+):
+    """The library's figure of the hand-off as these engines serve it (``eval --record``: the
+    same page size and tail, the first page computed) is read before its own hand-off's; a pack
+    whose target does not beat its source records no gap closed, and its retention must reach
+    the retention floor (0.95 by default) instead."""
+    prompt = tokens(4 * PAGE + 3, seed=24)
+    cluster.engine(0, translate=False).serve(prompt)
+    pack = pack_recording(deployment["packs"][0, 1], tmp_path, **metrics)
+    b = cluster.engine(1, pack=pack, tail_pages=1, quality_floor=0.0, sinks=sinks)
+    b.serve(prompt[: PAGE + 1], prime=False)  # a first page of its own, whatever the policy
+    b.serve(prompt)
+    assert (b.storage.counters["translated_pages_delivered"] > 0) == translates
+    assert b.storage.counters["fallback.pack_below_floor"] == (0 if translates else 1)
+
+
 def test_the_default_floor_is_better_than_staying_on_the_source():
     assert StorageSettings().quality_floor == 0.0
     for floor in (float("nan"), 2.0, "0.1", True):

@@ -9,6 +9,7 @@ text the maps were not fitted on, as choosing k requires.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import asdict, dataclass, field
@@ -471,9 +472,12 @@ def _better_map(reduced, k_layers, tolerance: float) -> tuple[KVMapper, FitRepor
 
 
 def _fit_k_layers(inputs: _FitInputs, started: float) -> tuple[KVMapper, FitReport]:
-    """fit_from_statistics for k selected source layers per target layer."""
+    """fit_from_statistics for k selected source layers per target layer (a fixed k above the
+    source's layer count reads every source layer)."""
     split, config, geo, ridge = inputs.split, inputs.config, inputs.geo, inputs.ridge
     source, target = split.source, split.target
+    if config.top_k not in AUTO_K and int(config.top_k) > source.num_layers:
+        config = dataclasses.replace(config, top_k=source.num_layers)
     scores = probe_scores(split.train, geo, ridge)
     ks = (
         candidate_ks(source.num_layers)

@@ -165,7 +165,9 @@ def family(mapper: KVMapper) -> str:
 class EvalConfig:
     """How a map is scored: ``windows`` held-out windows of ``prefix_len + continuation``
     tokens; the target predicts the continuation after the prefix, handed off with ``tail``
-    prompt tokens recomputed besides the last one (and, with ``repair``, the repair's anchors).
+    prompt tokens recomputed besides the last one (and, with ``repair``, the repair's anchors),
+    and as the engines serve it (``served_page_size``, ``served_tail_pages``:
+    ``evaluate.served_split``).
     ``speed_tokens`` > 0: the hand-off is also timed against the target's re-prefill of a prompt
     of that many tokens (0: not timed).
     """
@@ -176,6 +178,11 @@ class EvalConfig:
     windows: int = 8
     repair: Repair | None = None
     speed_tokens: int = 0
+    # the hand-off as sgl-kvmap's engines serve it at sglang-args' defaults (--page-size,
+    # --tail-pages): a first page the target computes, whole pages translated, the last pages
+    # computed; the figure their quality floor reads (sglang.settings)
+    served_page_size: int = 16
+    served_tail_pages: int = 3
 
     def __post_init__(self) -> None:
         if self.prefix_len < 2 or self.continuation < 1 or self.windows < 1:
@@ -184,6 +191,8 @@ class EvalConfig:
             raise KVMapError(f"need 0 <= tail < prefix_len - 1, got tail {self.tail}")
         if self.speed_tokens < 0 or self.speed_tokens == 1:
             raise KVMapError(f"speed_tokens is 0 (not timed) or a prompt of >= 2 tokens: {self}")
+        if self.served_page_size < 1 or self.served_tail_pages < 0:
+            raise KVMapError(f"need served_page_size >= 1 and served_tail_pages >= 0: {self}")
 
 
 @dataclass(frozen=True)

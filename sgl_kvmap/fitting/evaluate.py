@@ -1,16 +1,19 @@
 """Fidelity of a mapper on held-out text, always beside the baselines.
 
 For each window of ``prefix_len + continuation`` tokens the target predicts the continuation
-(teacher-forced) under five conditions: its own prefix cache (reference), the translated cache
+(teacher-forced) under six conditions: its own prefix cache (reference), the translated cache
 (tail 0), the translated cache with ``tail`` more prompt tokens recomputed by the target, the
-SOURCE model alone, and no prefix at all; with a ``Repair``, also the translated cache with the
-tail and the repair's anchors recomputed. Per layer it also reports R^2 of the translated K/V
+hand-off as sgl-kvmap's engines serve it (``served``: the target's own first page, whole pages
+translated with layer 0 mapped, the last pages computed: ``served_split``), the SOURCE model
+alone, and no prefix at all; with a ``Repair``, also the translated cache with the tail and the
+repair's anchors recomputed. Per layer it also reports R^2 of the translated K/V
 against the target's true K/V (content space, sinks excluded) and the cosine between the
 target's attention outputs over translated vs true KV (true queries, causal).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -57,6 +60,9 @@ class EvalReport:
     extra: dict = field(default_factory=dict)
     repaired: Quality | None = None
     repair: str | None = None
+    served: Quality | None = None
+    served_page_size: int | None = None
+    served_tail: int | None = None  # tokens
     by_window: list[dict[str, Quality]] = field(default_factory=list)
     """Per window (in order), each condition's Quality: which texts the map fails on."""
 
@@ -72,6 +78,14 @@ class EvalReport:
     @property
     def retention_repaired(self) -> float | None:
         return None if self.repaired is None else _ratio(self.repaired, self.reference)
+
+    @property
+    def retention_served(self) -> float | None:
+        return None if self.served is None else _ratio(self.served, self.reference)
+
+    @property
+    def gap_closed_served(self) -> float | None:
+        return None if self.served is None else _gap(self.served, self.source, self.reference)
 
     @property
     def gap_closed(self) -> float | None:
@@ -145,6 +159,10 @@ class EvalReport:
         )
         if self.repair is not None:
             out["eval_repair"] = self.repair
+        if self.served is not None:
+            out.update(
+                eval_served_page_size=self.served_page_size, eval_served_tail=self.served_tail
+            )
         return out
 
     def table(self) -> str:
@@ -168,6 +186,19 @@ class EvalReport:
                     )
                 ]
                 if self.repaired is not None
+                else []
+            ),
+            *(
+                [
+                    (
+                        f"target, as served ({self.served_page_size}-token pages, "
+                        f"{self.served_tail}-token tail)",
+                        self.served,
+                        _pct(self.retention_served),
+                        _pct(self.gap_closed_served),
+                    )
+                ]
+                if self.served is not None
                 else []
             ),
             ("source model alone", self.source, _pct(_ratio(self.source, self.reference)), ""),
@@ -206,16 +237,18 @@ class EvalReport:
         return "\n".join(lines)
 
 
-CONDITIONS = ("reference", "mapped", "mapped_tail", "repaired", "source", "no_prefix")
+CONDITIONS = ("reference", "mapped", "mapped_tail", "repaired", "served", "source", "no_prefix")
 # ratio -> (condition, baseline): retention is condition / reference, gap closed is
 # (condition - source) / (reference - source)
 RATIO_TERMS = {
     "retention": ("mapped", None),
     "retention_tail": ("mapped_tail", None),
     "retention_repaired": ("repaired", None),
+    "retention_served": ("served", None),
     "gap_closed": ("mapped", "source"),
     "gap_closed_tail": ("mapped_tail", "source"),
     "gap_closed_repaired": ("repaired", "source"),
+    "gap_closed_served": ("served", "source"),
 }
 RATIOS = tuple(RATIO_TERMS)
 
@@ -403,6 +436,7 @@ def evaluate(
     tail: int = EvalConfig.tail,
     runs: EvalRuns | None = None,
     repair: Repair | None = None,
+    served: tuple[int, int] | None = (EvalConfig.served_page_size, EvalConfig.served_tail_pages),
 ) -> EvalReport:
     """Fidelity of ``mapper`` on ``windows`` (each ``[>= prefix_len + continuation]`` token ids).
 
@@ -410,6 +444,8 @@ def evaluate(
     models' own passes (they stay memoised); without it each window's passes are dropped once
     it is scored. ``repair``: also score the hand-off that recomputes the tail and the
     repair's anchors (picked as ``repair.choice`` says: ``transfer.pick_anchors``).
+    ``served``: (page size, tail pages) of the hand-off as the engines serve it
+    (``served_split``; None: not scored).
     """
     check_models(mapper, source.spec, target.spec)
     shared = runs is not None  # a caller's runs are kept for its next call; our own are not
@@ -433,6 +469,7 @@ def evaluate(
             i,
             tail,
             repair,
+            served,
         )
         acc.add(scores, runs.continuation)
         if not shared:
@@ -454,17 +491,37 @@ def evaluate(
         sink_tokens=mapper.sink_tokens,
         repaired=acc.quality("repaired") if repair else None,
         repair=None if repair is None else f"{tail}-token tail + {repair}",
+        served=acc.quality("served") if served else None,
+        served_page_size=served[0] if served else None,
+        served_tail=served[0] * served[1] if served else None,
         by_window=acc.by_window,
     )
     report.check_finite()
     return report
 
 
+def served_split(prefix_len: int, page_size: int, tail_pages: int) -> int:
+    """Prompt tokens an engine of ``page_size``-token pages that recomputes ``tail_pages``
+    receives translated (from the start, its own first page among them): the full pages a
+    prefetch covers (not the one holding the last token), less the tail; at least the first
+    page."""
+    return max(1, (prefix_len - 1) // page_size - tail_pages) * page_size
+
+
 def _evaluate_window(
-    mapper, src: OwnRun, truth: OwnRun, source, target, runs: EvalRuns, i, tail, repair
+    mapper, src: OwnRun, truth: OwnRun, source, target, runs: EvalRuns, i, tail, repair, served
 ) -> _WindowScores:
     window, prefix_len = runs.windows[i], runs.prefix_len
     scores = {"reference": truth.own, "source": src.own, "no_prefix": truth.no_prefix}
+    if served is not None:
+        page_size, tail_pages = served
+        split = min(served_split(prefix_len, page_size, tail_pages), prefix_len - 1)
+        as_served = dataclasses.replace(mapper, sink_tokens=page_size)
+        translated = translate_prefix(
+            as_served, src.cache.slice(0, split), window[:split], target.model,
+            exact_first_layer=False,
+        )  # fmt: skip
+        scores["served"] = continuation_scores(target.model, translated, window, prefix_len)
     conditions = [("mapped", 0, None), ("mapped_tail", tail, None)]
     if repair is not None:
         conditions.append(("repaired", tail, repair))

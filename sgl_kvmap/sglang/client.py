@@ -132,6 +132,25 @@ class LiveClient:
             kvmap=meta.get("kvmap"),
         )
 
+    def page_size(self, model: str) -> int:
+        """The page size ``model``'s server runs with (SGLang's ``GET /server_info``)."""
+        import httpx
+
+        url = self.servers[model] + "/server_info"
+        try:
+            response = self._http.get(url)
+        except httpx.HTTPError as exc:
+            raise self._unreachable(model, exc) from exc
+        if response.status_code != 200:
+            raise self._status_error(model, response)
+        try:
+            page = response.json()["page_size"]
+        except (ValueError, KeyError, TypeError):
+            page = None
+        if isinstance(page, bool) or not isinstance(page, int) or page < 1:
+            raise LiveServerError(f"{self._where(model)} reports no page size at /server_info")
+        return page
+
     def answer_nll(self, model: str, prompt: Sequence[int], answer: Sequence[int]) -> float:
         """Mean negative log-likelihood (nats/token) of ``answer`` after ``prompt``."""
         logprobs = self.answer_logprobs(model, prompt, answer)

@@ -25,6 +25,7 @@ from .settings import (
     INNER_BACKENDS,
     PeerSettings,
     StorageSettings,
+    no_gap_to_close,
     prefetch_threshold_keys,
     served_key,
 )
@@ -118,7 +119,8 @@ class LaunchOptions:
     without one), and KVMapStorage's settings for engines that translate (``tail_pages``,
     ``concurrent_translations``, ``audit_translations``: ``StorageSettings``). Every engine
     keeps its counters in ``stats_path`` (a folder beside the store's pages). ``quality_floor``:
-    the gap closed a pack must record for an engine to use it (``StorageSettings``).
+    the gap closed a pack must record for an engine to use it, ``retention_floor`` the
+    retention of a pack with no gap to close (``StorageSettings``).
     ``prefetch_threshold``: the tokens a stored run needs before an engine fetches it (None:
     SGLang's own, 256; SGLang raises it to one page at least). ``sinks``: whether an engine
     may translate a prefix's first page (``StorageSettings.sinks``); ``first_layer``: whether
@@ -141,10 +143,12 @@ class LaunchOptions:
     sinks: str = StorageSettings.sinks
     first_layer: str = StorageSettings.first_layer
     derived: str = StorageSettings.derived
+    retention_floor: float = StorageSettings.retention_floor
 
     def __post_init__(self) -> None:
         StorageSettings(  # their checks
             quality_floor=self.quality_floor,
+            retention_floor=self.retention_floor,
             sinks=self.sinks,
             first_layer=self.first_layer,
             derived=self.derived,
@@ -304,13 +308,14 @@ def peers_of(engines: list[EngineSpec], packs: list[str | Path]) -> dict[str, li
 def floor_lines(
     peers_by_engine: dict[str, list[PeerSettings]], options: LaunchOptions
 ) -> list[str]:
-    """One line per pack (``peers_of``' peers of each engine): the gap closed it records for the
-    engines' mode (with the tail it was measured with, beside the engines' own) and whether it
-    clears ``options.quality_floor`` (a pack that does not is not used: its swaps are
-    prefilled)."""
+    """One line per pack (``peers_of``' peers of each engine): the figure the engines' quality
+    floor reads of it (``StorageSettings.recorded_gap_closed``, or the retention of a pack with
+    no gap to close), where it was measured, and whether the pack is used (a pack that is not
+    leaves its swaps prefilled)."""
     settings = StorageSettings(
         tail_pages=options.tail_pages,
         quality_floor=options.quality_floor,
+        retention_floor=options.retention_floor,
         sinks=options.sinks,
         first_layer=options.first_layer,
         derived=options.derived,
@@ -319,28 +324,45 @@ def floor_lines(
     for target, peers in peers_by_engine.items():
         for peer in peers:
             metrics = read_config(Path(peer.pack)).get("metrics", {})
-            key, gap = settings.recorded_gap_closed(metrics, options.page_size)
-            measured = f"records {key} {gap:.3f}" if gap is not None else f"records no {key}"
-            if gap is not None and key.startswith("served_"):
-                swaps = metrics.get(served_key("swaps", tail=bool(options.tail_pages)))
-                measured += (
-                    f" (the low end of its interval over {swaps} swaps served as these engines "
-                    f"serve, `sgl-kvmap bench --record` on {metrics.get('served_trace')})"
-                )
-            elif gap is not None and options.tail_pages and type(metrics.get("eval_tail")) is int:
-                measured += (
-                    f" (measured with a {metrics['eval_tail']}-token tail on the library's "
-                    f"windows; these engines recompute {options.tail_pages * options.page_size})"
-                )
+            key, value = settings.recorded_gap_closed(metrics, options.page_size)
+            if value is None and no_gap_to_close(metrics):
+                key, value = settings.recorded_retention(metrics, options.page_size)
+            measured = f"records {key} {value:.3f}" if value is not None else f"records no {key}"
+            if value is not None:
+                measured += _where_measured(key, metrics, options)
             refusal = settings.floor_refusal(metrics, options.page_size)
             if options.quality_floor is None:
                 verdict = "used (no quality floor)"
             elif refusal:
                 verdict = f"NOT used, {target} prefills instead: {refusal}"
+            elif key.startswith(("served_retention", "eval_retention")):
+                verdict = f"used: no gap to close, retention at least {options.retention_floor:g}"
             else:
                 verdict = f"used: above the quality floor {options.quality_floor:g}"
             lines.append(f"pack {peer.model_name} -> {target} {measured}; {verdict}")
     return lines
+
+
+def _where_measured(key: str, metrics: dict, options: LaunchOptions) -> str:
+    """How the figure under ``key`` was measured, as a parenthesis for ``floor_lines``."""
+    if key.startswith("served_"):
+        swaps = metrics.get(served_key("swaps", tail=bool(options.tail_pages)))
+        what = "the low end of its interval over" if "gap" in key else "over"
+        return (
+            f" ({what} {swaps} swaps served as these engines serve, `sgl-kvmap bench --record` "
+            f"on {metrics.get('served_trace')})"
+        )
+    if key.endswith("_served"):
+        return (
+            f" (the library's hand-off as these engines serve it: {options.page_size}-token "
+            f"pages, the first computed, a {options.tail_pages * options.page_size}-token tail)"
+        )
+    if options.tail_pages and type(metrics.get("eval_tail")) is int:
+        return (
+            f" (measured with a {metrics['eval_tail']}-token tail on the library's windows; "
+            f"these engines recompute {options.tail_pages * options.page_size})"
+        )
+    return ""
 
 
 def sglang_extra_config(
@@ -378,6 +400,7 @@ def _command(engine, peers, options: LaunchOptions, deadline) -> list[str]:
         stats_path=options.stats_path,
         audit_translations=options.audit_translations and bool(peers),
         quality_floor=options.quality_floor,
+        retention_floor=options.retention_floor,
         peers=tuple(peers),
     )
     deadline = deadline if peers else None

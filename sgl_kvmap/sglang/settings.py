@@ -53,7 +53,13 @@ SERVED_GAP_CLOSED = served_key("gap_closed_low", tail=False)
 SERVED_TAIL, SERVED_PAGE_SIZE, SERVED_SINKS = "served_tail", "served_page_size", "served_sinks"
 SERVED_FIRST_LAYER = "served_first_layer"  # absent: recorded before it was a choice, "mapped"
 SERVED_DERIVED = "served_derived"  # absent: recorded before it was a choice, "withhold"
+# the library's hand-off as the engines serve it (``sgl-kvmap eval --record``, the demo): its
+# page size and tail (tokens); its figures are ``eval_gap_closed_served`` and
+# ``eval_retention_served``
+EVAL_SERVED_PAGE_SIZE, EVAL_SERVED_TAIL = "eval_served_page_size", "eval_served_tail"
 DEFAULT_QUALITY_FLOOR = 0.0  # better than staying on the source model
+# a pack whose target does not beat its source has no gap to close: its retention is read
+DEFAULT_RETENTION_FLOOR = 0.95
 # A request whose id starts so is computed whole, never primed (``priming``): ``sgl-kvmap warm``
 # serves the opening every session shares this way, so each engine holds all of it as its own.
 NATIVE_REQUEST_PREFIX = "sgl-kvmap-native-"
@@ -128,7 +134,10 @@ class StorageSettings:
     source) in top-1 accuracy) a peer's pack must record above which this engine translates its
     pages; a pack at or below it, or that records none, is not used (counted
     ``pack_below_floor``: SGLang prefills). The default, 0, asks a translated prefix to be
-    better than staying on the source model; None translates with any pack.
+    better than staying on the source model; None translates with any pack (and reads no
+    retention either). retention_floor: for a pack whose target does not beat its source (no
+    gap to close, as down a family), the retention (translated accuracy over the target's own)
+    it must record, at least.
     interface_v1: SGLang's own key, which must be on (positions and provenance come with the v1
     calls). model_path: this engine's model, if its served name is not a path or Hub id.
     stats_path: a folder where the engine keeps its counters as JSON (one file per TP rank,
@@ -152,6 +161,7 @@ class StorageSettings:
     stats_path: str = ""
     audit_translations: bool = False
     quality_floor: float | None = DEFAULT_QUALITY_FLOOR
+    retention_floor: float = DEFAULT_RETENTION_FLOOR
     peers: tuple[PeerSettings, ...] = ()
 
     def __post_init__(self) -> None:
@@ -177,6 +187,10 @@ class StorageSettings:
             )
         if self.derived not in DERIVED_POLICIES:
             raise KVMapError(f"derived must be one of {DERIVED_POLICIES}, got {self.derived!r}")
+        if type(self.retention_floor) not in (int, float) or not 0 <= self.retention_floor <= 1:
+            raise KVMapError(
+                f"retention_floor must be a number from 0 to 1, got {self.retention_floor!r}"
+            )
         floor = self.quality_floor
         if floor is not None and (
             type(floor) not in (int, float) or not -1 <= floor <= 1 or not math.isfinite(floor)
@@ -187,16 +201,21 @@ class StorageSettings:
 
     def floor_refusal(self, metrics: dict[str, Any], page_size: int) -> str | None:
         """Why a pack whose recorded ``metrics`` are these may not be used by an engine of
-        ``page_size``-token pages (None: it may): its gap closed (``recorded_gap_closed``)
-        must be above ``quality_floor``."""
+        ``page_size``-token pages (None: it may): the gap closed it records for this engine
+        (``recorded_gap_closed``) must be above ``quality_floor``; a pack whose target does
+        not beat its source (no gap to close) must record a retention of at least
+        ``retention_floor`` instead."""
         if self.quality_floor is None:
             return None
         key, gap = self.recorded_gap_closed(metrics, page_size)
+        if gap is None and no_gap_to_close(metrics):
+            return self._retention_refusal(metrics, page_size)
         if gap is None:
             return (
                 f"the pack records no measured {key}, so it cannot be shown to clear the quality "
-                f"floor {self.quality_floor:g}: run `sgl-kvmap eval PACK --record` (or `sgl-kvmap "
-                "bench --record` on your traffic) or serve with quality_floor null"
+                f"floor {self.quality_floor:g}: run `sgl-kvmap eval PACK --record --page-size "
+                f"{page_size} --tail-pages {self.tail_pages}` (or `sgl-kvmap bench --record` on "
+                "your traffic), or serve with --quality-floor none"
             )
         if gap <= self.quality_floor:
             return (
@@ -205,19 +224,47 @@ class StorageSettings:
             )
         return None
 
+    def _retention_refusal(self, metrics: dict[str, Any], page_size: int) -> str | None:
+        key, retention = self.recorded_retention(metrics, page_size)
+        if retention is None:
+            return (
+                f"the pack's target does not beat its source (no gap to close) and it records "
+                f"no measured {key} to check against the retention floor "
+                f"{self.retention_floor:g}: run `sgl-kvmap eval PACK --record --page-size "
+                f"{page_size} --tail-pages {self.tail_pages}`, or serve with --quality-floor none"
+            )
+        if retention < self.retention_floor:
+            return (
+                f"the pack's target does not beat its source (no gap to close) and its measured "
+                f"{key} {retention:.3f} is below the retention floor {self.retention_floor:g}"
+            )
+        return None
+
     def recorded_gap_closed(
         self, metrics: dict[str, Any], page_size: int
     ) -> tuple[str, float | None]:
         """The gap closed a pack's ``metrics`` record for an engine of these settings and
-        ``page_size``-token pages, by its key (None when absent or not a finite number): the
-        served figure (``sgl-kvmap bench --record``) when it was measured on engines that
-        served as this one does (the same tail in tokens, page size, sinks, first-layer and
-        derived-page policies), else
-        the library's (``sgl-kvmap eval --record``): the tail's figure when this engine
-        recomputes a tail, else the whole translation's."""
+        ``page_size``-token pages, by its key (None when absent or not a finite number), the
+        first that applies of: the figure of served swaps (``sgl-kvmap bench --record``) when
+        they were served as this engine serves (the same tail in tokens, page size, sinks,
+        first-layer and derived-page policies); the library's figure of the hand-off as served
+        (``sgl-kvmap eval --record``, ``eval_gap_closed_served``) when measured at this page
+        size and tail with a first page the target computes (sinks "native" or "prime"); the
+        library's figure of its own hand-off: with its tail when this engine recomputes one,
+        else of the whole translation."""
+        return self._recorded(metrics, page_size, "gap_closed")
+
+    def recorded_retention(
+        self, metrics: dict[str, Any], page_size: int
+    ) -> tuple[str, float | None]:
+        """The retention a pack's ``metrics`` record for this engine, chosen as
+        ``recorded_gap_closed`` chooses (served swaps' point estimate, else the library's)."""
+        return self._recorded(metrics, page_size, "retention")
+
+    def _recorded(self, metrics: Any, page_size: int, figure: str) -> tuple[str, float | None]:
         metrics = metrics if isinstance(metrics, dict) else {}
-        library = GAP_CLOSED_TAIL if self.tail_pages else GAP_CLOSED
-        served = SERVED_GAP_CLOSED_TAIL if self.tail_pages else SERVED_GAP_CLOSED
+        tail = bool(self.tail_pages)
+        served = served_key("gap_closed_low" if figure == "gap_closed" else figure, tail)
         served_here = (
             metrics.get(SERVED_PAGE_SIZE) == page_size
             and _sinks_alike(metrics.get(SERVED_SINKS), self.sinks)
@@ -227,6 +274,15 @@ class StorageSettings:
         )
         if served_here and _finite(metrics.get(served)) is not None:
             return served, _finite(metrics[served])
+        as_served = f"eval_{figure}_served"
+        evaluated_here = (
+            metrics.get(EVAL_SERVED_PAGE_SIZE) == page_size
+            and metrics.get(EVAL_SERVED_TAIL) == self.tail_pages * page_size
+            and self.sinks in NATIVE_SINKS
+        )
+        if evaluated_here and _finite(metrics.get(as_served)) is not None:
+            return as_served, _finite(metrics[as_served])
+        library = f"eval_{figure}_tail" if tail else f"eval_{figure}"
         return library, _finite(metrics.get(library))
 
     @classmethod
@@ -264,6 +320,15 @@ def _sinks_alike(recorded: Any, serving: str) -> bool:
     "native" and "prime" both serve a first page the engine computed (priming only makes more
     swaps translate)."""
     return recorded == serving or (recorded in NATIVE_SINKS and serving in NATIVE_SINKS)
+
+
+def no_gap_to_close(metrics: Any) -> bool:
+    """Whether a pack's ``metrics`` say its target does not beat its source: the library's
+    accuracy of the source at least the target's own (a gap closed is then undefined)."""
+    metrics = metrics if isinstance(metrics, dict) else {}
+    source = _finite(metrics.get("eval_source_accuracy"))
+    target = _finite(metrics.get("eval_reference_accuracy"))
+    return source is not None and target is not None and source >= target
 
 
 def _finite(value: Any) -> float | None:

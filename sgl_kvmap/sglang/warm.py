@@ -26,17 +26,35 @@ HEALTH_POLL_S = 1.0
 
 @dataclass(frozen=True)
 class Warmed:
-    """One engine after warming: its URL, the opening's length in its tokens, and how many of
-    them a second read of the opening found cached on its device (whole pages)."""
+    """One engine after warming: its URL, the opening's length in its tokens, how many of them
+    a second read of the opening found cached on its device (whole pages), and its page
+    size."""
 
     url: str
     prompt_tokens: int
     cached: int
+    page_size: int = 1
+
+    @property
+    def partial(self) -> int:
+        """The opening's tokens after its last whole page: no engine keeps them as a page."""
+        return self.prompt_tokens % self.page_size
 
     def line(self) -> str:
-        return (
+        line = (
             f"{self.url}: served the opening ({self.prompt_tokens} tokens); "
             f"{self.cached} of them are now cached on its device"
+        )
+        if not self.partial:
+            return line
+        whole = self.prompt_tokens - self.partial
+        return line + (
+            f"; its last {self.partial} tokens ({whole}..{self.prompt_tokens - 1}) end a partial "
+            f"{self.page_size}-token page that no engine keeps as its own: where sessions share "
+            "them and the tokens after them up to the next page boundary, a swap translates that "
+            "page and later sessions read the translation. An opening of "
+            f"{whole} or {whole + self.page_size} tokens keeps every page it shares this engine's "
+            "own"
         )
 
 
@@ -56,13 +74,14 @@ def _warm_one(client: LiveClient, url: str, opening: str | Sequence[int], timeou
     _wait_healthy(url, timeout)
     client.generate(url, opening, 1, native=True)
     again = client.generate(url, opening, 1, native=True)
+    page_size = client.page_size(url)
     if again.cached["device"] == 0:
         raise KVMapError(
             f"{url} holds none of the {again.prompt_tokens}-token opening after serving it: "
             "is the opening shorter than one page (--page-size), or the server's radix cache "
             "disabled?"
         )
-    return Warmed(url, again.prompt_tokens, again.cached["device"])
+    return Warmed(url, again.prompt_tokens, again.cached["device"], page_size)
 
 
 def _wait_healthy(url: str, timeout: float) -> None:
