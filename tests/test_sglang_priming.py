@@ -85,3 +85,28 @@ def test_no_priming_where_it_would_not_pay(cluster, case):
     assert b.primed == 0 and served.tiers.primed == 0
     if case.startswith("first page stored"):
         assert served.tiers.device == PAGE and served.tiers.translated == 4 * PAGE
+
+
+def test_the_report_counts_storage_pages_the_engine_has_not_stored_as_translated(
+    cluster, tmp_path
+):
+    """``plugin.ServerView.report``, over the stores a server's TokenizerManager reads: of the
+    tokens SGLang reports from storage, those whose pages the engine has not stored as its own
+    are translated; its own pages and device hits are not. Prompts kept for reports are
+    bounded."""
+    from sgl_kvmap.sglang import plugin
+
+    prompt = tokens(6 * PAGE + 3, seed=42)
+    a, b = cluster.engine(0), cluster.engine(1, sinks="prime")
+    b.serve(prompt[: 2 * PAGE + 1], prime=False)  # b's own pages 0 and 1
+    a.serve(prompt)
+    view = plugin.ServerView(b.primer, prime=True)
+    view.keep("r", prompt, 0)
+    report = view.report("r", {"device": 0, "host": 0, "storage": 5 * PAGE})
+    assert report == {"translated_tokens": 3 * PAGE, "primed_tokens": 0, "status": "translated"}
+    mine = view.report("r", {"device": PAGE, "host": 0, "storage": PAGE})
+    assert mine == {"translated_tokens": 0, "primed_tokens": 0, "status": "not translated"}
+    assert view.report("unknown", {"storage": PAGE}) is None
+    for i in range(plugin.MAX_REQUESTS_KEPT + 5):
+        view.keep(str(i), prompt, 0)
+    assert len(view.requests) == plugin.MAX_REQUESTS_KEPT and "r" not in view.requests

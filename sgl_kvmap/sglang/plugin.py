@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 READ_ONLY = {"max_size": 0, "min_free_space": 0}  # a store opened to look never evicts
+MAX_REQUESTS_KEPT = 4096  # prompts kept for reports; the oldest go first (a response never read)
 _registered = False
 
 
@@ -44,6 +45,12 @@ class ServerView:
     primer: Primer
     prime: bool
     requests: dict[str, tuple[list[int], int]] = dataclasses.field(default_factory=dict)
+
+    def keep(self, rid: str, tokens: list[int], primed: int) -> None:
+        """Remember request ``rid``'s prompt for its report (at most ``MAX_REQUESTS_KEPT``)."""
+        self.requests[rid] = (tokens, primed)
+        while len(self.requests) > MAX_REQUESTS_KEPT:
+            del self.requests[next(iter(self.requests))]
 
     def report(self, rid: str, details: dict) -> dict | None:
         """``meta_info["kvmap"]`` of request ``rid``, whose prompt SGLang reported cached as
@@ -90,7 +97,7 @@ async def _send(original, manager, tokenized) -> None:
                 primed = len(page)
             except Exception as error:  # noqa: BLE001 - the request goes on; SGLang prefills it
                 log.warning("sgl-kvmap: priming request %s failed: %s", tokenized.rid, error)
-    view.requests[tokenized.rid] = (list(tokenized.input_ids), primed)
+    view.keep(tokenized.rid, list(tokenized.input_ids), primed)
     return await original(manager, tokenized)
 
 
