@@ -87,9 +87,7 @@ def test_no_priming_where_it_would_not_pay(cluster, case):
         assert served.tiers.device == PAGE and served.tiers.translated == 4 * PAGE
 
 
-def test_the_report_counts_storage_pages_the_engine_has_not_stored_as_translated(
-    cluster, tmp_path
-):
+def test_the_report_counts_storage_pages_the_engine_has_not_stored_as_translated(cluster, tmp_path):
     """``plugin.ServerView.report``, over the stores a server's TokenizerManager reads: of the
     tokens SGLang reports from storage, those whose pages the engine has not stored as its own
     are translated; its own pages and device hits are not. Prompts kept for reports are
