@@ -357,7 +357,9 @@ def test_each_mode_launches_the_servers_it_names(served_pair, tmp_path):
         ("tail", StorageSettings.tail_pages),
     ):
         lines = mode_lines(setup, mode, mode_options(setup, mode, str(tmp_path / mode)))
-        parsed = [sglang_parses(shlex.split(line)[4:]) for line in lines]
+        parsed = [
+            sglang_parses(shlex.split(line)[6:]) for line in lines
+        ]  # after the env, python -m
         assert [a.port for a in parsed] == [31000, 31001]
         assert [a.served_model_name for a in parsed] == ["small", "large"]
         assert all(a.page_size == PAGE_SIZE and a.device == "cpu" for a in parsed)

@@ -172,6 +172,10 @@ def _record(
             f"request {turn.request}: the {model} server reports {generation.cached} cached "
             f"tokens for a {prompt}-token prompt"
         )
+    # the first page the server computed just before the request (sgl-kvmap's priming): a device
+    # hit for the request, computed for the swap
+    primed = min(int((generation.kvmap or {}).get("primed_tokens", 0)), reused["device"])
+    reused["device"] -= primed
     fallbacks = {
         name.removeprefix("fallback."): n
         for name, n in (changes or {}).items()
@@ -191,6 +195,7 @@ def _record(
         computed=prompt - sum(reused.values()),
         fallbacks=fallbacks,
         ttft_s=generation.ttft_s,
+        primed=primed,
     )
 
 
