@@ -15,6 +15,7 @@ from sgl_kvmap.bench.workload import (
     derive_sessions,
     ideal_reuse,
     load_workload,
+    shared_opening,
     summarize,
 )
 from sgl_kvmap.core.errors import KVMapError
@@ -258,6 +259,25 @@ def test_the_default_slice_of_the_bundled_trace_is_small_and_multi_turn(held_out
     for s in range(config.sessions):
         mine = [t.turn for t in turns if t.session == s]
         assert mine == list(range(len(mine))) and 2 <= len(mine) <= config.max_turns
+
+
+def test_distinct_openings_give_each_session_its_own_first_block(held_out):
+    """``openings="distinct"`` on the bundled trace: the same slice (sessions, turns, lengths,
+    arrivals); no two sessions share their first block any more, while each session's turns
+    still share their prefix as before, and the slice has no shared opening to warm."""
+    shared = load_workload(WorkloadConfig(), code_points, held_out)
+    distinct = load_workload(WorkloadConfig(openings="distinct"), code_points, held_out)
+    block = WorkloadConfig().block_tokens
+    same = [(t.session, t.turn, len(t.tokens), t.arrival_s, t.new_tokens) for t in shared]
+    assert [(t.session, t.turn, len(t.tokens), t.arrival_s, t.new_tokens) for t in distinct] == same
+    assert len({t.tokens[:block] for t in shared}) == 1
+    firsts = {t.session: t.tokens[:block] for t in distinct}
+    assert len(set(firsts.values())) == len(firsts)
+    assert all(t.tokens[:block] == firsts[t.session] for t in distinct)
+    assert all(a.tokens[block:] == b.tokens[block:] for a, b in zip(shared, distinct))
+    assert shared_opening(distinct, WorkloadConfig().page_size) == ()
+    with pytest.raises(KVMapError, match="openings must be one of"):
+        WorkloadConfig(openings="per-user")
 
 
 # ---- the agentic trace

@@ -414,9 +414,11 @@ def mooncake_workload(
     lineages = derive_sessions([r.hash_ids for r in requests])
     lengths = [mooncake_prompt_length(r, config) for r in requests]
     chosen = select_requests(lineages, lengths, config)
-    if config.openings == "distinct":
-        requests = distinct_openings(requests, lineages)
     slots = block_slots(b for i in chosen for b in requests[i].hash_ids)
+    if config.openings == "distinct":  # the other blocks keep their text
+        requests = distinct_openings(requests, lineages)
+        for block in sorted({requests[i].hash_ids[0] for i in chosen}):
+            slots[block] = len(slots)
     blocks = block_windows(stream, slots, config.block_tokens)
     prompts = {
         i: tuple(chain.from_iterable(blocks[b] for b in requests[i].hash_ids))[: lengths[i]]
