@@ -108,3 +108,34 @@ def test_the_report_counts_storage_pages_the_engine_has_not_stored_as_translated
     for i in range(plugin.MAX_REQUESTS_KEPT + 5):
         view.keep(str(i), prompt, 0)
     assert len(view.requests) == plugin.MAX_REQUESTS_KEPT and "r" not in view.requests
+
+
+def test_a_server_primes_only_for_peers_whose_pack_its_storage_will_use(cluster, tmp_path):
+    """``plugin._build_view`` from a server's arguments as SGLang holds them (the extra config
+    ``sglang-args`` prints): a server whose only peer's pack records no figure above the quality
+    floor (KVMapStorage will not translate with it) neither primes nor reports; with no floor
+    it primes, over the peer's store; a server whose storage backend is not KVMapStorage is
+    left alone."""
+    import json
+    from types import SimpleNamespace
+
+    from sgl_kvmap.sglang import plugin
+
+    def server_args(**settings):
+        extra = cluster.extra(1, **settings)
+        return SimpleNamespace(
+            hicache_storage_backend="dynamic",
+            hicache_storage_backend_extra_config=json.dumps(extra),
+            tp_size=1,
+            pp_size=1,
+            page_size=PAGE,
+            served_model_name=cluster.deployment["names"][1],
+        )
+
+    assert plugin._build_view(server_args(sinks="prime", quality_floor=0.0)) is None
+    view = plugin._build_view(server_args(sinks="prime", quality_floor=None))
+    assert view.prime and len(view.primer.peers) == 1 and view.primer.page_size == PAGE
+    assert not plugin._build_view(server_args(sinks="native", quality_floor=None)).prime
+    other = server_args(quality_floor=None)
+    other.hicache_storage_backend = "file"
+    assert plugin._build_view(other) is None

@@ -21,12 +21,14 @@ import dataclasses
 import json
 import logging
 from array import array
+from pathlib import Path
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
+from ..core.pack import read_config
 from .priming import Primer
-from .settings import BACKEND, NATIVE_REQUEST_PREFIX, StorageSettings
+from .settings import BACKEND, NATIVE_REQUEST_PREFIX, PeerSettings, StorageSettings
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +173,8 @@ def _build_view(server_args) -> ServerView | None:
     if extra is None:
         return None
     settings = StorageSettings.from_extra_config(extra)
-    if not settings.translate or not settings.peers:
+    peers = [p for p in settings.peers if _clears_floor(p, settings, server_args.page_size)]
+    if not settings.translate or not peers:
         return None
     if settings.inner_backend != "file" or getattr(server_args, "pp_size", 1) != 1:
         log.warning(
@@ -193,15 +196,15 @@ def _build_view(server_args) -> ServerView | None:
         model_name=server_args.served_model_name,
         extra_config={**extra, **READ_ONLY},
     )
-    peers = [
+    stores = [
         _file_store(dataclasses.replace(config, model_name=p.model_name, tp_size=p.tp_size))
-        for p in settings.peers
+        for p in peers
     ]
     threshold = _prefetch_threshold(server_args.hicache_storage_backend_extra_config)
     primer = Primer.for_engine(
         server_args.page_size,
         _file_store(config),
-        peers,
+        stores,
         threshold=threshold,
         tail_pages=settings.tail_pages,
     )
@@ -209,6 +212,17 @@ def _build_view(server_args) -> ServerView | None:
     if prime:
         log.info("sgl-kvmap: priming the first page of prompts of %d pages", primer.pages_needed)
     return ServerView(primer, prime)
+
+
+def _clears_floor(peer: PeerSettings, settings: StorageSettings, page_size: int) -> bool:
+    """Whether the engine's storage backend will translate ``peer``'s pages: its pack clears
+    the quality floor, as KVMapStorage checks it when it connects (a pack it cannot read is
+    not used either)."""
+    try:
+        metrics = read_config(Path(peer.pack)).get("metrics", {})
+    except Exception:  # noqa: BLE001 - KVMapStorage refuses it too, counted there
+        return False
+    return settings.floor_refusal(metrics, page_size) is None
 
 
 def _file_store(config: HiCacheStorageConfig) -> HiCacheStorage:
