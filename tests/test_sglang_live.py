@@ -145,6 +145,15 @@ class Deployment:
 STARTUPS: list[tuple[str, float]] = []  # (server, seconds to healthy), printed at the end
 
 
+def translating_pair(served_pair, tmp_path_factory, name: str, **options) -> Deployment:
+    """A ``Deployment`` of both engines with both packs over a store of its own, in a fresh
+    folder ``name``; ``options``: ``Deployment``'s."""
+    folder = tmp_path_factory.mktemp(name)
+    return Deployment(
+        folder, served_pair, [(0, 1), (1, 0)], free_port_base(2), folder / "store", **options
+    )
+
+
 def sgl_kvmap_program() -> str:
     """The ``sgl-kvmap`` console script of this interpreter's installation."""
     script = Path(sys.executable).parent / "sgl-kvmap"
@@ -158,15 +167,7 @@ def live(served_pair, tmp_path_factory):
     engine translates from page 0, and the scenarios below check that page's translation too.
     The default, an engine computing its first page itself, is checked on servers of its own
     (``test_a_warmed_opening_stays_the_engines_own_...``)."""
-    folder = tmp_path_factory.mktemp("live")
-    deployment = Deployment(
-        folder,
-        served_pair,
-        [(0, 1), (1, 0)],
-        free_port_base(2),
-        folder / "store",
-        sinks="translate",
-    )
+    deployment = translating_pair(served_pair, tmp_path_factory, "live", sinks="translate")
     yield deployment
     deployment.stop(*list(deployment.servers))
     for name, seconds in STARTUPS:
@@ -462,17 +463,10 @@ def defaults(served_pair, tmp_path_factory):
     itself, priming it before a swap that needs it; SGLang's ``timeout`` prefetch policy with
     the deadline sglang-args measures), ``--first-layer exact`` and ``--derived share``; started
     on first use."""
-    folder = tmp_path_factory.mktemp("defaults")
-    deployment = Deployment(
-        folder,
-        served_pair,
-        [(0, 1), (1, 0)],
-        free_port_base(2),
-        folder / "store",
-        first_layer="exact",
-        derived="share",
+    deployment = translating_pair(
+        served_pair, tmp_path_factory, "defaults", first_layer="exact", derived="share",
         prefetch_policy=None,
-    )
+    )  # fmt: skip
     yield deployment
     deployment.stop("a", "b")
 
