@@ -183,7 +183,8 @@ def header(
         "pair": f"{_short(names['small'])} <-> {_short(names['large'])}",
         "models": f"small {names['small']}, large {names['large']}",
         "packs": ", ".join(f"{a} -> {b}: {p}" for (a, b), p in packs.items()),
-        "trace": Path(workload.trace_path).name,
+        "trace": Path(workload.trace_path).name
+        + (", each session its own opening" if workload.openings == "distinct" else ""),
         "scale": f"1/{workload.scale} (blocks of {workload.block_tokens} tokens)",
         "requests": len(turns),
         "sessions": len({t.session for t in turns}),
