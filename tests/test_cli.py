@@ -412,6 +412,45 @@ def test_sglang_args_say_which_packs_clear_the_quality_floor(fitted_pack, model_
         )
 
 
+def test_sglang_args_read_the_hand_off_as_served_and_a_no_gap_packs_retention(
+    fitted_pack, model_dirs, tmp_path
+):
+    """The library's figure of the hand-off as these engines serve it (``eval --record``) is
+    read before its own hand-off's when measured at their page size and tail; a pack whose
+    target does not beat its source is read by its retention against ``--retention-floor``,
+    and the line says how to get a figure rather than asking for the one it already has."""
+    from sgl_kvmap.core.mapper import KVMapper
+
+    source, target = model_dirs
+    args = ["sglang-args", "--engine", source, "--engine", f"{target}=big"]
+
+    def floor_line(metrics, *more):
+        mapper = KVMapper.from_pretrained(fitted_pack[0])
+        mapper.info["metrics"].update(metrics)
+        pack = mapper.save_pretrained(tmp_path / f"pack-{len(list(tmp_path.iterdir()))}")
+        result = succeed([*args, "--pack", str(pack), *more])
+        (line,) = [line for line in result.output.splitlines() if line.startswith("# pack ")]
+        return line
+
+    as_served = {"eval_served_page_size": 16, "eval_served_tail": 48}
+    line = floor_line({"eval_gap_closed_tail": -0.5, **as_served, "eval_gap_closed_served": 0.3})
+    assert "records eval_gap_closed_served 0.300 (the library's hand-off as these engines " in line
+    assert "16-token pages, the first computed, a 48-token tail); used: above" in line
+    line = floor_line({"eval_gap_closed_tail": -0.5, **as_served, "eval_gap_closed_served": 0.3},
+                      "--tail-pages", "2")  # fmt: skip
+    assert "records eval_gap_closed_tail -0.500" in line and "NOT used" in line
+    no_gap = {"eval_source_accuracy": 0.75, "eval_reference_accuracy": 0.68, **as_served}
+    line = floor_line({**no_gap, "eval_retention_served": 0.97})
+    assert "records eval_retention_served 0.970" in line
+    assert "used: no gap to close, retention at least 0.95" in line
+    line = floor_line({**no_gap, "eval_retention_served": 0.97}, "--retention-floor", "0.98")
+    assert "below the retention floor 0.98" in line and "NOT used" in line
+    line = floor_line(no_gap)
+    assert "no gap to close" in line and "eval PACK --record --page-size 16 --tail-pages 3" in line
+    assert "--quality-floor none" in line and "quality_floor null" not in line
+    refused_as_usage([*args, "--retention-floor", "1.5"], "--retention-floor")
+
+
 def test_sglang_args_refuses_engine_lists_that_would_mix_up_kv(fitted_pack, model_dirs):
     """Before: two engines under one served name, or one model as two engines, were accepted
     (peers keyed by name or fingerprint collapsed: one engine then got another model's KV as
