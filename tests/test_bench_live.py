@@ -411,3 +411,27 @@ def test_storage_hits_split_by_the_servers_own_counters():
         "translated": 192,
     }
     assert counted_tiers(cached, {}, 64)["translated"] == 320
+
+
+def test_prompts_that_share_no_page_are_not_warmed():
+    """``live_run.warm`` with the slice's shared opening: none (sessions that open apart,
+    ``--openings distinct``) sends no request (SGLang refuses empty input_ids); an opening is
+    served on both servers, computed whole. The client is a recorder standing in for
+    ``LiveClient`` (only its generate and settle calls are read)."""
+    from sgl_kvmap.bench.live_run import warm
+
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def generate(self, role, tokens, answer, native=False):
+            self.calls.append((role, tuple(tokens), native))
+
+        def settle(self, role):
+            pass
+
+    client = Recorder()
+    warm(client, ())
+    assert client.calls == []
+    warm(client, (5, 6, 7))
+    assert client.calls == [("small", (5, 6, 7), True), ("large", (5, 6, 7), True)]

@@ -138,8 +138,9 @@ def fresh_store(setup: LiveSetup, mode: str) -> Iterator[tuple[str, dict, dict]]
 
 
 def warm(client: LiveClient, opening: tuple[int, ...]) -> None:
-    """Each server serves the shared opening itself (and stores it) before the replay."""
-    for role in ROLES:
+    """Each server serves the shared opening itself (and stores it) before the replay; nothing
+    when the prompts share no whole page."""
+    for role in ROLES if opening else ():
         client.generate(role, opening, 1, native=True)
         client.settle(role)
 
