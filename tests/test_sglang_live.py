@@ -25,8 +25,10 @@ The tests also read the store folder (the page files HiCache's ``file`` store na
 write-through has stored a turn's pages before the next turn, and to check which model's pages
 are there. One test deletes a peer's files there, as a store evicting them would.
 
-Servers are started five times in all, at most two at once (each is three processes of about
-1 GB): the translating pair, a restart of B, a B with no pack into it and a B on an empty store.
+Servers are started seven times in all, at most two at once (each is three processes of about
+1 GB): the translating pair, a restart of B, a B with no pack into it and a B on an empty store,
+then (after those stopped: the tests run in this file's order) the pair at sglang-args'
+defaults.
 """
 
 from __future__ import annotations
@@ -457,6 +459,70 @@ def test_concurrent_sessions_on_both_servers(live):
         assert len(generation.output_ids) > 0
 
 
+def wait_derived(live: Deployment, model: str, tokens: list[int], pages: range) -> None:
+    """Until ``model``'s write-through has stored pages ``pages`` of ``tokens`` apart, as
+    pages it computed over translated KV (``records.derived_key``)."""
+
+    def stored() -> int:
+        return sum(page_files(live.store, model, tokens, derived=True)[pages.start : pages.stop])
+
+    wait_for(stored, len(pages), f"{model} stored", "derived pages")
+
+
+def test_a_restarted_b_never_serves_translated_pages_as_its_own(live, swapped_session):
+    """After B translated the session, the store holds no page of B's model for any page of
+    B's prompt (every one follows a translated page); B restarted with the same printed
+    command, and A's copies of those pages gone from the store (as a store evicting them would
+    do), the same prompt gets no storage hit at all and is computed by B, which then stores
+    its pages (its own KV now)."""
+    history, second, generation, _ = swapped_session
+    assert generation.cached["storage"] > 0  # B did translate (the first test's check)
+    assert not any(page_files(live.store, "b", [*second, *generation.output_ids]))
+    live.stop("b")
+    for page_hash in page_hashes(second):
+        for path in live.store.glob(f"{page_hash}*"):
+            if NAMES["a"] in path.name:
+                path.unlink()
+    with live.client("b") as client:
+        again = client.generate("b", second, ANSWER)
+    assert again.cached == {"device": 0, "host": 0, "storage": 0}
+    assert len(again.output_ids) > 0
+    computed = [*second, *again.output_ids]  # now B's own KV: stored as B's pages
+    wait_stored(live, "b", computed, (len(computed) - 1) // PAGE)
+
+
+def page_hashes(tokens: list[int]) -> list[str]:
+    from sglang.srt.mem_cache.utils import get_hash_str
+
+    return get_hash_str(tokens[: len(tokens) // PAGE * PAGE], None, PAGE)
+
+
+def test_a_swap_with_no_pack_into_b_is_prefilled(live, served_pair, tmp_path):
+    """B started from ``sglang-args`` with only the pack b -> a (no pack into B), on the store
+    where A stored the session's first turn: no storage hit, and B's answer is the answer of B
+    started from ``sglang-args`` on an empty store (plain prefill). The two B's start together,
+    once the translating pair has stopped."""
+    with live.client("a") as client:
+        history = first_turn(client, live, "a", prompt(3, 400))
+    second = [*history, *prompt(4, 60)]
+    assert translated(live, "a", history, second) > 0  # what a pack into B would translate
+    live.stop("a", "b")
+    no_pack = Deployment(tmp_path / "no-pack", served_pair, [(1, 0)], free_port_base(2), live.store)
+    alone = Deployment(tmp_path / "alone", served_pair, [], free_port_base(2), tmp_path / "empty")
+    assert not no_pack.extra_config("b")["translate"] and not any((tmp_path / "empty").iterdir())
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda deployment: deployment.server("b"), (no_pack, alone)))
+        with no_pack.client("b") as fallback_client, alone.client("b") as reference_client:
+            fallback = fallback_client.generate("b", second, ANSWER)
+            reference = reference_client.generate("b", second, ANSWER)
+    finally:
+        no_pack.stop("b")
+        alone.stop("b")
+    assert fallback.cached == reference.cached == {"device": 0, "host": 0, "storage": 0}
+    assert fallback.output_ids == reference.output_ids and len(reference.output_ids) > 0
+
+
 @pytest.fixture(scope="module")
 def defaults(served_pair, tmp_path_factory):
     """Servers launched with sglang-args' defaults (an engine computes a prefix's first page
@@ -587,67 +653,3 @@ def test_a_warmed_opening_stays_the_engines_own_and_only_what_follows_is_transla
     pack = served_pair["packs"][1, 0]
     stored_as = [derived_key(key) for key in keys]
     assert_translated(live, NAMES["b"], NAMES["a"], keys, pack, own_first_layer, stored_as)
-
-
-def wait_derived(live: Deployment, model: str, tokens: list[int], pages: range) -> None:
-    """Until ``model``'s write-through has stored pages ``pages`` of ``tokens`` apart, as
-    pages it computed over translated KV (``records.derived_key``)."""
-
-    def stored() -> int:
-        return sum(page_files(live.store, model, tokens, derived=True)[pages.start : pages.stop])
-
-    wait_for(stored, len(pages), f"{model} stored", "derived pages")
-
-
-def test_a_restarted_b_never_serves_translated_pages_as_its_own(live, swapped_session):
-    """After B translated the session, the store holds no page of B's model for any page of
-    B's prompt (every one follows a translated page); B restarted with the same printed
-    command, and A's copies of those pages gone from the store (as a store evicting them would
-    do), the same prompt gets no storage hit at all and is computed by B, which then stores
-    its pages (its own KV now)."""
-    history, second, generation, _ = swapped_session
-    assert generation.cached["storage"] > 0  # B did translate (the first test's check)
-    assert not any(page_files(live.store, "b", [*second, *generation.output_ids]))
-    live.stop("b")
-    for page_hash in page_hashes(second):
-        for path in live.store.glob(f"{page_hash}*"):
-            if NAMES["a"] in path.name:
-                path.unlink()
-    with live.client("b") as client:
-        again = client.generate("b", second, ANSWER)
-    assert again.cached == {"device": 0, "host": 0, "storage": 0}
-    assert len(again.output_ids) > 0
-    computed = [*second, *again.output_ids]  # now B's own KV: stored as B's pages
-    wait_stored(live, "b", computed, (len(computed) - 1) // PAGE)
-
-
-def page_hashes(tokens: list[int]) -> list[str]:
-    from sglang.srt.mem_cache.utils import get_hash_str
-
-    return get_hash_str(tokens[: len(tokens) // PAGE * PAGE], None, PAGE)
-
-
-def test_a_swap_with_no_pack_into_b_is_prefilled(live, served_pair, tmp_path):
-    """B started from ``sglang-args`` with only the pack b -> a (no pack into B), on the store
-    where A stored the session's first turn: no storage hit, and B's answer is the answer of B
-    started from ``sglang-args`` on an empty store (plain prefill). The two B's start together,
-    once the translating pair has stopped."""
-    with live.client("a") as client:
-        history = first_turn(client, live, "a", prompt(3, 400))
-    second = [*history, *prompt(4, 60)]
-    assert translated(live, "a", history, second) > 0  # what a pack into B would translate
-    live.stop("a", "b")
-    no_pack = Deployment(tmp_path / "no-pack", served_pair, [(1, 0)], free_port_base(2), live.store)
-    alone = Deployment(tmp_path / "alone", served_pair, [], free_port_base(2), tmp_path / "empty")
-    assert not no_pack.extra_config("b")["translate"] and not any((tmp_path / "empty").iterdir())
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda deployment: deployment.server("b"), (no_pack, alone)))
-        with no_pack.client("b") as fallback_client, alone.client("b") as reference_client:
-            fallback = fallback_client.generate("b", second, ANSWER)
-            reference = reference_client.generate("b", second, ANSWER)
-    finally:
-        no_pack.stop("b")
-        alone.stop("b")
-    assert fallback.cached == reference.cached == {"device": 0, "host": 0, "storage": 0}
-    assert fallback.output_ids == reference.output_ids and len(reference.output_ids) > 0
