@@ -28,6 +28,7 @@ pytestmark = pytest.mark.realpair
 
 BUDGET = CalibrationConfig(tokens=8192, window=512, top_k=2)
 PREFIX, CONTINUATION, TAIL, WINDOWS = 512, 32, 16, 3
+# the evaluations below score what the floors read; the hand-off as served: tests/test_evaluate.py
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,7 @@ def reports(pair, fitted, eval_runs):
     small, large = pair
     windows, runs = eval_runs
     return [
-        evaluate(mapper, source, target, windows, PREFIX, CONTINUATION, TAIL, runs)
+        evaluate(mapper, source, target, windows, PREFIX, CONTINUATION, TAIL, runs, served=None)
         for (mapper, _), (source, target) in zip(fitted, [(small, large), (large, small)])
     ]
 
@@ -100,7 +101,7 @@ def test_a_reduced_rank_map_on_the_real_pair(reduced, reports, pair, eval_runs, 
     assert mapper.rank == report.rank == 512 and mapper.source_layers_per_target == 24
     assert report.heldout["k"] > FLOORS["rank_r2_k"] and report.heldout["v"] > FLOORS["rank_r2_v"]
     windows, runs = eval_runs
-    r = evaluate(mapper, *pair, windows, PREFIX, CONTINUATION, TAIL, runs)
+    r = evaluate(mapper, *pair, windows, PREFIX, CONTINUATION, TAIL, runs, served=None)
     assert r.mapped.accuracy > r.no_prefix.accuracy + FLOORS["over_no_prefix"][0]
     # lower held-out R2 than the k = 2 map, yet better downstream (as at 16k and 128k)
     assert r.mapped.nll < reports[0].mapped.nll - FLOORS["rank_nll_under_k2"]
@@ -130,7 +131,7 @@ def test_tuning_the_real_map_lowers_its_loss_on_unseen_text(fitted, reports, pai
     gain = tuning.curve[0]["heldout_nll"] - tuning.best["heldout_nll"]
     assert tuning.best_step > 0 and gain > FLOORS["tune_heldout_nll_gain"]
     windows, runs = eval_runs
-    r = evaluate(tuned, *pair, windows, PREFIX, CONTINUATION, TAIL, runs)
+    r = evaluate(tuned, *pair, windows, PREFIX, CONTINUATION, TAIL, runs, served=None)
     assert r.mapped.nll < reports[0].mapped.nll - FLOORS["tune_eval_nll_gain"]
 
 
