@@ -362,6 +362,15 @@ def test_figures_and_verdicts_are_judged_on_the_swaps_that_translated():
     line = table_line(markdown, "Swapped requests against", "a", "translated")
     assert line[3] == "2 of 4"
     assert "**Verdict**: nothing translated (0 of 4 swaps" in summary_markdown(none, HEADER)
+    # swaps that translated but were not judged on the continuation (as on live servers)
+    unjudged = [
+        record("c", "translated", 1, swapped=True, ttft=0.1, computed=60, translated=60,
+               quality=quality(0.5, 1.1)),
+        record("c", "translated", 2, swapped=True, ttft=0.1, computed=220,
+               quality=quality(0.5, 1.1)),
+    ]  # fmt: skip
+    line = summary_markdown(unjudged, HEADER).split("**Verdict**")[1].splitlines()[0]
+    assert "no translating replay has a gap to close judged" in line and "(1 of 2 swaps" in line
 
 
 def test_retention_and_gap_closed_pool_accuracy_over_requests():

@@ -425,7 +425,7 @@ def continuation_section(rows: list[dict]) -> str:
     columns += [f"retention [{CONFIDENCE:.0%} CI]", f"gap closed [{CONFIDENCE:.0%} CI]"]
     columns += ["NLL: this mode", "NLL: re-prefill", "NLL: staying", "verdict"]
     table = markdown_table(columns, [continuation_cells(line) for line in lines])
-    return verdict_line(lines) + "\n\n" + table
+    return verdict_line(lines, rows) + "\n\n" + table
 
 
 def continuation_lines(rows: list[dict]) -> list[dict]:
@@ -477,18 +477,28 @@ def verdict_cell(line: dict) -> str:
     return DASH
 
 
-def verdict_line(lines: list[dict]) -> str:
+def verdict_line(lines: list[dict], rows: list[dict]) -> str:
     """One line: in how many translating replays (per direction) a swap beats staying on the
-    source model, among those where re-prefill beats staying (a gap to close)."""
-    translating = [line for line in lines if line["mode"] != REFERENCE_MODE]
-    swaps = sum(line.get("swaps") or 0 for line in translating)
-    translated = sum(line.get("translated_swaps") or 0 for line in translating)
+    source model, among those where re-prefill beats staying (a gap to close); with how many
+    swaps of the translating replays (``rows``, every direction) translated something."""
+    directions = [
+        stats
+        for row in rows
+        if row["mode"] != REFERENCE_MODE
+        for stats in row["continuation"].values()
+    ]
+    swaps = sum(stats.get("swaps") or 0 for stats in directions)
+    translated = sum(stats.get("translated_swaps") or 0 for stats in directions)
     share = f"{translated} of {swaps} swaps of the translating replays translated something"
+    translating = [line for line in lines if line["mode"] != REFERENCE_MODE]
     decided = [line for line in translating if line["verdict"] is not None]
     if not translated:
         return f"**Verdict**: nothing translated ({share})."
     if not decided:
-        return f"**Verdict**: no translating replay has a gap to close in this run ({share})."
+        return (
+            "**Verdict**: no translating replay has a gap to close judged on the true "
+            f"continuation in this run ({share})."
+        )
     counts = {key: sum(line["verdict"] == key for line in decided) for key in VERDICTS}
     return (
         f"**Verdict**, judged on the swaps that translated ({share}): a translated swap beats "
