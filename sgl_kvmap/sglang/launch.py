@@ -23,9 +23,9 @@ from ..core.pack import read_config
 from ..core.spec import spec_from_pretrained
 from .settings import (
     INNER_BACKENDS,
+    RETENTION_KEYS,
     PeerSettings,
     StorageSettings,
-    no_gap_to_close,
     prefetch_threshold_keys,
     served_key,
 )
@@ -324,9 +324,7 @@ def floor_lines(
     for target, peers in peers_by_engine.items():
         for peer in peers:
             metrics = read_config(Path(peer.pack)).get("metrics", {})
-            key, value = settings.recorded_gap_closed(metrics, options.page_size)
-            if value is None and no_gap_to_close(metrics):
-                key, value = settings.recorded_retention(metrics, options.page_size)
+            key, value = settings.floor_figure(metrics, options.page_size)
             measured = f"records {key} {value:.3f}" if value is not None else f"records no {key}"
             if value is not None:
                 measured += _where_measured(key, metrics, options)
@@ -335,7 +333,7 @@ def floor_lines(
                 verdict = "used (no quality floor)"
             elif refusal:
                 verdict = f"NOT used, {target} prefills instead: {refusal}"
-            elif key.startswith(("served_retention", "eval_retention")):
+            elif key.endswith(RETENTION_KEYS):
                 verdict = f"used: no gap to close, retention at least {options.retention_floor:g}"
             else:
                 verdict = f"used: above the quality floor {options.quality_floor:g}"

@@ -60,6 +60,8 @@ EVAL_SERVED_PAGE_SIZE, EVAL_SERVED_TAIL = "eval_served_page_size", "eval_served_
 DEFAULT_QUALITY_FLOOR = 0.0  # better than staying on the source model
 # a pack whose target does not beat its source has no gap to close: its retention is read
 DEFAULT_RETENTION_FLOOR = 0.95
+# the ends of the retention keys ``recorded_retention`` reads (served, as served, the library's)
+RETENTION_KEYS = ("retention", "retention_tail", "retention_served")
 # A request whose id starts so is computed whole, never primed (``priming``): ``sgl-kvmap warm``
 # serves the opening every session shares this way, so each engine holds all of it as its own.
 NATIVE_REQUEST_PREFIX = "sgl-kvmap-native-"
@@ -207,9 +209,9 @@ class StorageSettings:
         ``retention_floor`` instead."""
         if self.quality_floor is None:
             return None
-        key, gap = self.recorded_gap_closed(metrics, page_size)
-        if gap is None and no_gap_to_close(metrics):
-            return self._retention_refusal(metrics, page_size)
+        key, gap = self.floor_figure(metrics, page_size)
+        if key.endswith(RETENTION_KEYS):
+            return self._retention_refusal(key, gap, page_size)
         if gap is None:
             return (
                 f"the pack records no measured {key}, so it cannot be shown to clear the quality "
@@ -224,8 +226,16 @@ class StorageSettings:
             )
         return None
 
-    def _retention_refusal(self, metrics: dict[str, Any], page_size: int) -> str | None:
-        key, retention = self.recorded_retention(metrics, page_size)
+    def floor_figure(self, metrics: dict[str, Any], page_size: int) -> tuple[str, float | None]:
+        """The figure the floor reads of a pack's ``metrics``, by its key: its gap closed
+        (``recorded_gap_closed``), or, for a pack whose target does not beat its source (no
+        gap to close), its retention (``recorded_retention``)."""
+        key, gap = self.recorded_gap_closed(metrics, page_size)
+        if gap is None and no_gap_to_close(metrics):
+            return self.recorded_retention(metrics, page_size)
+        return key, gap
+
+    def _retention_refusal(self, key: str, retention: float | None, page_size: int) -> str | None:
         if retention is None:
             return (
                 f"the pack's target does not beat its source (no gap to close) and it records "
