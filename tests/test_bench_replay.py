@@ -446,3 +446,22 @@ def test_teacher_forced_agreement_is_greedy_decodings_common_prefix(deployment):
         seen.append(agreement(greedy, reference, 12))
         assert agreement(predicted, reference, 12) == seen[-1]
     assert seen[0] == 1.0 and min(seen) < 1.0
+
+
+def test_every_request_records_where_its_time_went(records):
+    """In process every request records its stages (``records.STAGES``); a swap that translated
+    spent time in the store's read, map and transfer stages, each within its time to first token,
+    and the stages on the request's own path (priming, prefetch, load, forward) add up to no
+    more than it."""
+    from sgl_kvmap.bench.records import STAGES
+
+    for record in records:
+        assert set(record.stages) <= set(STAGES) and record.stages["forward"] > 0
+        assert all(seconds >= 0 for seconds in record.stages.values())
+        path = sum(record.stages[s] for s in ("primed", "prefetch", "load", "forward"))
+        assert path <= record.ttft_s
+    translated = [r for r in records if r.reused["translated"]]
+    assert translated
+    for record in translated:
+        assert all(record.stages[s] > 0 for s in ("hit_query", "read", "map", "write"))
+        assert max(record.stages[s] for s in ("read", "map", "write")) < record.ttft_s

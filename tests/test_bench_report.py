@@ -461,3 +461,41 @@ def test_the_served_record_pools_the_swaps_that_translated_per_mode_and_directio
         "served_retention_tail": pytest.approx(0.8),
     }
     assert served_record(nothing, "large") == {}
+
+
+def test_the_stages_of_translated_swaps_are_summarised_with_the_hand_over_ratio():
+    """Over the swaps that translated (not the one prefilled whole): the median seconds of each
+    stage, and the median of time to first token over primed + forward + map, per swap."""
+    stages = [
+        {"primed": 0.1, "prefetch": 0.3, "map": 0.1, "forward": 0.3, "load": 0.01},
+        {"primed": 0.2, "prefetch": 0.5, "map": 0.2, "forward": 0.6, "load": 0.03},
+    ]
+    rows = [(1.0, 20, {"translated": 100}, None), (2.0, 20, {"translated": 200}, None)]
+    rows.append((3.0, 330, {}, None))  # prefilled whole: not a translated swap
+    replay = alternate("translated", rows)
+    for row, timed in zip(replay[1:], stages):
+        row.stages = timed
+    replay[3].stages = {"primed": 0.0, "forward": 3.0}
+    (row,) = [r for r in summarize([*REPREFILL, *replay]) if r["mode"] == "translated"]
+    stats = row["stages"]
+    assert stats["swaps"] == 2 and stats["ttft_median_s"] == pytest.approx(1.5)
+    assert stats["median_s"]["prefetch"] == pytest.approx(0.4)
+    assert stats["median_s"]["load"] == pytest.approx(0.02)
+    assert stats["hand_over_ratio"] == pytest.approx((1.0 / 0.5 + 2.0 / 1.0) / 2)
+    low, high = stats["hand_over_ratio_ci"]
+    assert low == pytest.approx(2.0) and high == pytest.approx(2.0)
+    text = summary_markdown([*REPREFILL, *replay], HEADER)
+    section = text.split("## Where a translated swap's time goes")[1].split("\n## ")[0]
+    assert "| alternate | translated | 2 | 1500.0 |" in section and "*map*:" in section
+    assert "2.00 [2.00, 2.00]" in section
+
+
+def test_live_swaps_without_a_timed_forward_have_stages_but_no_hand_over_ratio():
+    rows = [(1.0, 20, {"translated": 100}, None), (2.0, 20, {"translated": 200}, None)]
+    rows.append((3.0, 30, {"translated": 300}, None))
+    replay = alternate("translated", rows)
+    for row in replay[1:]:
+        row.stages = {"primed": 0.2, "map": 0.1, "wait": 0.05}
+    (row,) = [r for r in summarize([*REPREFILL, *replay]) if r["mode"] == "translated"]
+    assert row["stages"]["hand_over_ratio"] is None and row["stages"]["swaps"] == 3
+    assert row["stages"]["median_s"] == {"primed": 0.2, "map": 0.1, "wait": 0.05}

@@ -1,117 +1,149 @@
-"""KVMapStorage in real ``sglang.launch_server`` processes serving the real Qwen2.5-Coder pair.
+"""The README's serving recipe, run as it is written, on the real Qwen2.5-Coder pair.
 
-The 0.5B and the 1.5B each run from the line ``sgl-kvmap sglang-args --device cpu`` prints for
-them (with a pack 0.5B -> 1.5B fitted here on a small budget, the store in a temporary folder,
-``--audit-translations``), started one after the other, driven only through ``POST
-/generate``. The printed lines carry the CPU engine's environment (tests/test_sglang_live.py;
-its ``ENVIRONMENT`` only puts this interpreter first on ``PATH``). The pack is fitted before any
-server starts and the fitting models are released, so the test process and both servers never
-hold the pair twice.
+The recipe (the bash block after the README's ``serving-recipe`` marker) is run unchanged with
+``bash -e`` in a folder laid out as the README's two commands leave a user's: the packs the demo
+leaves in ``kvmap-demo/`` and the repository's ``examples/`` (linked), the converted pair in
+sgl-kvmap's model cache (``~/.cache/sgl-kvmap/models``, where the recipe's ``--engine`` paths
+point). It prints the engines' lines with ``sgl-kvmap sglang-args --device cpu`` at its defaults
+(SGLang's ``timeout`` prefetch policy with the deadline it measures, the quality floor 0, first
+pages primed), starts one server per printed line, waits for both to answer ``/health`` and runs
+``examples/swap_session.py``: a session served by the 0.5B, then swapped to the 1.5B, which must
+translate on its very first swap.
+
+Substituted: the demo's packs are fitted here on a small budget (``BUDGET``), and each records,
+as the figure the quality floor reads, what the demo's own pack records with the demo's budget
+(``DEMO_FIGURES``, from ``sgl-kvmap eval --record`` of the demo's packs: docs/LOG.md
+2026-12-07): the floor's reading of figures is tested in tests/test_sglang_storage.py, and the
+demo itself takes about 30 minutes. The only variable added to the recipe's environment:
+``PATH`` starts with this interpreter's folder (tests/test_sglang_live.py), so ``sgl-kvmap`` and
+``python`` are this installation's. The pair is fitted before any server starts and released,
+so the test process and both servers never hold it twice.
 """
 
 from __future__ import annotations
 
+import ast
 import gc
+import os
+import signal
+import socket
+import subprocess
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from sgl_kvmap import CalibrationConfig, load_model
 from sgl_kvmap.fitting.calibrate import fit_mapper
 from sgl_kvmap.fitting.default_pair import LARGE, SMALL, ensure_model
-from sgl_kvmap.fitting.texts import default_eval_files, eval_windows
-from sgl_kvmap.sglang.settings import StorageSettings
 
-from .test_sglang_live import (
-    ENVIRONMENT,
-    PAGE,
-    assert_translated,
-    leading,
-    page_hashes,
-    sgl_kvmap_program,
-)
+from .test_sglang_live import ENVIRONMENT, PAGE, ROOT
 
 pytestmark = pytest.mark.realpair
 pytest.importorskip("sglang", reason="the live-server tests need SGLang 0.5.23 (setup_cpu.sh)")
 
 BUDGET = CalibrationConfig(tokens=4096, window=512, top_k=2)
-NAMES = ("qwen-coder-0.5b", "qwen-coder-1.5b")
-PROMPT, FOLLOW_UP, ANSWER = 700, 60, 8
-START_TIMEOUT_S = 600.0
+RECIPE_MARKER = "<!-- serving-recipe"
+PORTS = (30000, 30001)  # the recipe's: sglang-args' default --port and the next
+RECIPE_TIMEOUT_S = 1200.0
+DEMO_FIGURES = {  # what the demo's packs record, measured as served (16-token pages, 3-page tail)
+    "0.5B_to_1.5B": {"eval_gap_closed_served": 0.053, "eval_retention_served": 0.907},
+    "1.5B_to_0.5B": {"eval_retention_served": 0.909},
+}
+SERVED = {"eval_served_page_size": PAGE, "eval_served_tail": 3 * PAGE}
+
+
+def stop_group(process: subprocess.Popen, grace: float = 30.0) -> None:
+    """SIGTERM to the recipe's process group (its shell and the servers it left running, with
+    their scheduler and detokenizer processes), SIGKILL to what is left after ``grace`` s."""
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, signum)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(process.pid, 0)
+            except ProcessLookupError:
+                return
+            process.poll()
+            time.sleep(0.5)
+
+
+def recipe() -> str:
+    """The README's serving recipe: the bash block after its ``serving-recipe`` marker."""
+    readme = (ROOT / "README.md").read_text()
+    after = readme[readme.index(RECIPE_MARKER) :]
+    return after.split("```bash\n", 1)[1].split("```", 1)[0]
+
+
+def reported(output: str, turn: str) -> tuple[dict, dict]:
+    """What ``examples/swap_session.py`` printed for ``turn``: SGLang's cached tokens per tier
+    and sgl-kvmap's report (``meta_info.kvmap``)."""
+    lines = output.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith(turn))
+    cached = ast.literal_eval(lines[at].split("cached ", 1)[1])
+    kvmap = ast.literal_eval(lines[at + 1].split("sgl-kvmap: ", 1)[1])
+    return cached, kvmap
 
 
 @pytest.fixture(scope="module")
-def folders():
-    return str(ensure_model(SMALL)), str(ensure_model(LARGE))
-
-
-@pytest.fixture(scope="module")
-def pack(folders, tmp_path_factory):
-    """A 0.5B -> 1.5B pack on a small budget (4 sink tokens, as packs carry them)."""
-    small, large = (load_model(folder) for folder in folders)
-    ((mapper, _),) = fit_mapper(small, large, config=BUDGET)
-    folder = replace(mapper, sink_tokens=4).save_pretrained(tmp_path_factory.mktemp("pack") / "p")
+def user_folder(tmp_path_factory):
+    """A folder as a user's is after ``sgl-kvmap demo``: ``kvmap-demo/`` with a pack each way
+    (module docstring) and ``examples/``."""
+    folders = [ensure_model(model) for model in (SMALL, LARGE)]
+    home_cache = Path("~/.cache/sgl-kvmap/models").expanduser()
+    if any(folder.parent != home_cache for folder in folders):
+        pytest.skip(f"$KVMAP_CACHE keeps the pair outside {home_cache}, where the recipe looks")
+    folder = tmp_path_factory.mktemp("user")
+    small, large = (load_model(str(path)) for path in folders)
+    for (source, target), name in zip([(small, large), (large, small)], DEMO_FIGURES):
+        ((mapper, _),) = fit_mapper(source, target, config=BUDGET)
+        mapper = replace(mapper, sink_tokens=4)
+        mapper.info.setdefault("metrics", {}).update({**DEMO_FIGURES[name], **SERVED})
+        mapper.save_pretrained(folder / "kvmap-demo" / name)
     del small, large, mapper
     gc.collect()
-    return str(folder)
+    (folder / "examples").symlink_to(ROOT / "examples")
+    return folder
 
 
-def stored_pages(store, served_name: str, tokens: list[int]) -> int:
-    """Leading full pages of ``tokens`` whose page file ``served_name`` has stored."""
-    files = [(store / f"{h}_{served_name}_0_1.bin").exists() for h in page_hashes(tokens)]
-    return leading(files)
-
-
-def test_the_1_5b_server_continues_from_the_0_5b_servers_pages_translated(folders, pack, tmp_path):
-    """Servers launched with sglang-args' defaults. The 1.5B server first serves the prompt's
-    first page (as ``sgl-kvmap warm`` serves a shared opening: by default an engine computes a
-    prefix's first page itself). A 700-token prompt of held-out text served by the 0.5B server,
-    then the history plus 60 tokens sent to the 1.5B server: SGLang reports that first page as
-    a device hit and the 0.5B's stored pages after it, less the tail pages (sglang-args'
-    ``--tail-pages``), as storage hits, and the pages the 1.5B received (read back through the
-    store) are the pack's translation of the 0.5B's stored pages at their recorded positions."""
-    from transformers import AutoTokenizer
-
-    from sgl_kvmap.sglang.client import LiveClient
-    from sgl_kvmap.sglang.servers import (
-        free_port_base,
-        sglang_args_lines,
-        start_server,
-        stop_servers,
+def test_the_readme_recipe_starts_two_servers_and_the_first_swap_translates(user_folder):
+    """The recipe as written (module docstring): ``engines.sh`` says the up pack is used and
+    the down pack is not (its figure is below the retention floor); both servers start from
+    their printed lines; the session's second turn, on the 1.5B, is its very first swap: SGLang
+    reports its first page on the device (computed just before it, ``primed_tokens``) and the
+    0.5B's pages after it from storage, all of them translated (``meta_info.kvmap``)."""
+    for port in PORTS:
+        with socket.socket() as probe:
+            assert probe.connect_ex(("127.0.0.1", port)) != 0, f"port {port} is taken"
+    env = {**os.environ, **ENVIRONMENT}
+    process = subprocess.Popen(
+        ["bash", "-e", "-c", recipe()],
+        cwd=user_folder,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
-
-    store = tmp_path / "store"
-    args = ["--device", "cpu", "--pack", pack, "--store-path", str(store)]
-    args += ["--max-total-tokens", "8192", "--audit-translations", "--port", str(free_port_base(2))]
-    args += ["--quality-floor", "none"]  # what is checked is the translation, not its quality
-    args += ["--prefetch-policy", "wait_complete"]  # and not when: a loaded CPU missed deadlines
-    for folder, name in zip(folders, NAMES):
-        args += ["--engine", f"{folder}={name}"]
-    lines = sglang_args_lines(args, program=sgl_kvmap_program(), env=ENVIRONMENT)
-    tokenizer = AutoTokenizer.from_pretrained(folders[1])
-    window = eval_windows(tokenizer, default_eval_files(), PROMPT + FOLLOW_UP, 1)[0].tolist()
-    servers = []
     try:
-        for name in NAMES:
-            servers.append(start_server(lines[name], tmp_path / f"{name}.log", ENVIRONMENT,
-                                        START_TIMEOUT_S))  # fmt: skip
-        urls = dict(zip(NAMES, (server.url for server in servers)))
-        with LiveClient(urls, timeout=600) as client:
-            client.generate(NAMES[1], window[: PAGE + 1], 1)
-            first = client.generate(NAMES[0], window[:PROMPT], ANSWER)
-            history = [*window[:PROMPT], *first.output_ids]
-            pages = (len(history) - 1) // PAGE
-            deadline = time.monotonic() + 120
-            while stored_pages(store, NAMES[0], history) < pages:
-                assert time.monotonic() < deadline, "the 0.5B did not store its pages"
-                time.sleep(0.5)
-            second = [*history, *window[PROMPT:]]
-            swapped = client.generate(NAMES[1], second, ANSWER)
+        output, _ = process.communicate(timeout=RECIPE_TIMEOUT_S)
     finally:
-        stop_servers(servers, grace=30)
-    translated = pages - 1 - StorageSettings.tail_pages  # the first and tail pages: its own
-    assert swapped.cached == {"device": PAGE, "host": 0, "storage": translated * PAGE}
-    assert len(swapped.output_ids) > 0
-    keys = page_hashes(second)[1 : 1 + translated]
-    assert_translated(store, NAMES[0], NAMES[1], keys, pack)
+        stop_group(process)
+    log = (user_folder / "engines.log").read_text()[-4000:] if process.returncode else ""
+    assert process.returncode == 0, f"{output}\n--- engines.log ---\n{log}"
+    engines = (user_folder / "engines.sh").read_text()
+    floor = [line for line in engines.splitlines() if line.startswith("# pack ")]
+    up = next(line for line in floor if "qwen-coder-0.5b -> qwen-coder-1.5b" in line)
+    down = next(line for line in floor if "qwen-coder-1.5b -> qwen-coder-0.5b" in line)
+    assert "eval_gap_closed_served 0.053" in up and "used: above the quality floor 0" in up
+    assert "eval_retention_served 0.909" in down and "NOT used" in down
+    first, _ = reported(output, "turn 1")
+    assert first == {"device": 0, "host": 0, "storage": 0}
+    cached, kvmap = reported(output, "turn 2")
+    assert kvmap["status"] == "translated", output
+    assert kvmap["primed_tokens"] == PAGE and cached["device"] == PAGE
+    assert cached["host"] == 0 and kvmap["translated_tokens"] == cached["storage"] > 20 * PAGE

@@ -565,9 +565,11 @@ def test_a_swap_whose_first_page_b_never_saw_translates_after_bs_own_first_page(
     pages = stored - 1 - tail
     assert pages * PAGE >= THRESHOLD
     assert generation.cached == {"device": PAGE, "host": 0, "storage": pages * PAGE}
+    assert generation.kvmap["primed_seconds"] > 0
     assert generation.kvmap == {
         "translated_tokens": pages * PAGE,
         "primed_tokens": PAGE,
+        "primed_seconds": generation.kvmap["primed_seconds"],
         "status": "translated",
     }
     first = page_hashes(second)[0]

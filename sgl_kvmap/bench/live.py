@@ -133,10 +133,11 @@ def replay(
         if previous is not None:
             client.settle(previous)
         previous = model
-        before = client.counters(model)
+        before, seconds = client.counters(model), client.stage_seconds(model)
         generation = client.generate(model, turn.tokens, quality_tokens if moved else 1)
         changes = _changes(before, client.counters(model)) if model in client.stats else None
         record = _record(turn, model, moved, ideal, generation, policy, mode, changes, page_size)
+        record.stages = _stages(generation, seconds, client.stage_seconds(model))
         if moved and mode == REFERENCE_MODE and generation.output_ids:
             nll = client.answer_nll(model, turn.tokens, generation.output_ids)
             answers[turn.request] = Reference(generation.output_ids, nll)
@@ -147,6 +148,14 @@ def replay(
             record.quality = _quality(client, model, turn, generation, reference, quality_tokens)
         records.append(record)
     return LiveReplay(records, answers)
+
+
+def _stages(generation: Generation, before: Counter, after: Counter) -> dict[str, float]:
+    """Where a request's time went, as a live server tells it: the priming round trip
+    (``meta_info.kvmap``) and the stages its KVMapStorage timed meanwhile."""
+    after.subtract(before)
+    primed = float((generation.kvmap or {}).get("primed_seconds", 0.0))
+    return {"primed": primed, **{stage: max(0.0, s) for stage, s in after.items()}}
 
 
 def _changes(before: Counter, after: Counter) -> Counter:

@@ -23,6 +23,18 @@ MODE_TITLES = {
 }
 REFERENCE_MODE = "reprefill"  # the target on its own cache: the quality reference
 TRANSLATING_MODES = tuple(m for m in MODES if m != REFERENCE_MODE)
+STAGES = {  # where a request's time to first token went (RequestRecord.stages), in seconds
+    "primed": "its first page served just before it (priming), round trip included",
+    "prefetch": "in process: from its arrival until the scheduler saw its storage prefetch done",
+    "hit_query": "the store's hit query: own pages, the peer's records, the translation started",
+    "read": "reading the peer's pages (a worker, during the prefetch)",
+    "map": "translating the peer's pages (a worker, during the prefetch)",
+    "wait": "the transfer waiting for the translation",
+    "write": "copying translated pages into the host pool",
+    "native": "copying the engine's own stored pages into the host pool",
+    "load": "in process: admission, allocation and the host -> device load",
+    "forward": "in process: the prefill of the computed tokens and the first token",
+}
 
 
 BASELINES = ("reference", "source", "no_prefix")
@@ -105,6 +117,7 @@ class RequestRecord:
     ttft_s: float = 0.0  # prefetch + load-back + prefill + the first token
     quality: Quality | None = None  # swapped requests (in the reference mode: its own scores)
     primed: int = 0  # first-page tokens computed just before the request (sglang.priming)
+    stages: dict[str, float] = field(default_factory=dict)  # seconds by STAGES, where measured
 
     def __post_init__(self):
         if set(self.reused) != set(TIERS):

@@ -214,11 +214,13 @@ def _serve(
     tokens = list(plan.turns[i].tokens)
     started = time.perf_counter()
     req, slots = engine.begin(tokens)
+    forward = time.perf_counter()
     prefix = req.prefix_len
     past = engine.pool_kv(slots[:prefix]) if prefix else None
     logits = engine.compute(tokens, slots, prefix, past, logits=1)
     int(logits[-1].argmax())  # the first token
     ttft = time.perf_counter() - started
+    stages = {**engine.last_stages, "forward": time.perf_counter() - forward}
     tiers = engine.last_tiers
     quality = None
     if plan.swapped[i]:
@@ -246,6 +248,7 @@ def _serve(
         ttft_s=ttft,
         quality=quality,
         primed=tiers.primed,
+        stages=stages,
     )
     return record, slots
 

@@ -24,6 +24,7 @@ from .records import (
     MODE_TITLES,
     MODES,
     REFERENCE_MODE,
+    STAGES,
     TIERS,
     RequestRecord,
 )
@@ -100,6 +101,7 @@ def summary_row(replay: list[RequestRecord], reference: list[RequestRecord] | No
         **ttft_stats(swapped),
         **ttft_ratio(pairs),
         **quality_stats(swapped if replay[0].mode != REFERENCE_MODE else []),
+        "stages": stage_stats([r for r in swapped if r.reused["translated"]]),
         "continuation": {
             direction: direction_stats([r for r in swapped if r.model == served])
             for direction, served in DIRECTIONS.items()
@@ -117,6 +119,36 @@ def direction_stats(swapped: list[RequestRecord]) -> dict:
         **continuation_stats(judged),
         "swaps": len(swapped),
         "translated_swaps": len(judged) if translating else None,
+    }
+
+
+HAND_OVER_FLOOR = ("primed", "forward", "map")  # what a translated swap cannot do without
+
+
+def stage_stats(translated: list[RequestRecord]) -> dict | None:
+    """Where the time of the swaps that translated went: their count, the median seconds of
+    each stage they recorded (``records.STAGES``) and of their time to first token, and the
+    median over them of the ratio of time to first token to what no hand-over can skip (its
+    first page primed, the forward of its computed tokens and the map: ``hand_over_ratio``,
+    with its interval; None where the forward was not timed, as on live servers)."""
+    timed = [r for r in translated if r.stages]
+    if not timed:
+        return None
+    stages = [stage for stage in STAGES if any(stage in r.stages for r in timed)]
+    floors = [sum(r.stages.get(stage, 0.0) for stage in HAND_OVER_FLOOR) for r in timed]
+    ratios = None
+    if all("forward" in r.stages for r in timed) and all(floors):
+        ratios = np.array([r.ttft_s / floor for r, floor in zip(timed, floors)])
+    return {
+        "swaps": len(timed),
+        "ttft_median_s": float(np.median([r.ttft_s for r in timed])),
+        "median_s": {
+            stage: float(np.median([r.stages.get(stage, 0.0) for r in timed])) for stage in stages
+        },
+        "hand_over_ratio": None if ratios is None else float(np.median(ratios)),
+        "hand_over_ratio_ci": None
+        if ratios is None
+        else bootstrap_interval(ratios, lambda x: np.median(x, axis=-1)),
     }
 
 
@@ -363,6 +395,7 @@ def summary_markdown(records: list[RequestRecord], header: dict) -> str:
         "## Swapped requests against the baselines, on the true continuation\n\n"
         + continuation_section(rows),
         "## Agreement with re-prefill's greedy answer\n\n" + quality_table(rows),
+        "## Where a translated swap's time goes\n\n" + stages_table(rows),
         "## All requests\n\n" + all_requests_table(rows),
         "## Method\n\n" + METHOD,
     ]
@@ -413,6 +446,31 @@ def ttft_ratio_cell(row: dict) -> str:
     if row["mode"] == REFERENCE_MODE and row["ttft_ratio"] is not None:
         return "1 (reference)"
     return with_interval(row["ttft_ratio"], row["ttft_ratio_ci"])
+
+
+def stages_table(rows: list[dict]) -> str:
+    """Per translating replay: the median seconds of each stage over the swaps that translated
+    (``stage_stats``), and the hand-over ratio."""
+    rows = [row for row in rows if row["stages"]]
+    if not rows:
+        return f"{DASH} (no swap translated)"
+    stages = [s for s in STAGES if any(s in row["stages"]["median_s"] for row in rows)]
+    columns = ["policy", "mode", "swaps", "TTFT median (ms)", *[f"{s} (ms)" for s in stages]]
+    columns += [f"TTFT / (primed + forward + map) [{CONFIDENCE:.0%} CI]"]
+    table = markdown_table(columns, [stages_cells(row, stages) for row in rows])
+    legend = "\n".join(f"- *{stage}*: {STAGES[stage]}" for stage in stages)
+    return f"{table}\n\nOver the swaps that translated, medians of each stage:\n\n{legend}"
+
+
+def stages_cells(row: dict, stages: list[str]) -> list[str]:
+    stats = row["stages"]
+    return [
+        *row_label(row),
+        str(stats["swaps"]),
+        milliseconds(stats["ttft_median_s"]),
+        *[milliseconds(stats["median_s"].get(stage)) for stage in stages],
+        with_interval(stats["hand_over_ratio"], stats["hand_over_ratio_ci"]),
+    ]
 
 
 def continuation_section(rows: list[dict]) -> str:

@@ -85,10 +85,18 @@ class LiveClient:
     def counters(self, model: str) -> Counter:
         """The KVMapStorage counters ``model``'s server has written so far (empty without a
         stats file)."""
+        return Counter(self._stats(model).get("counters", {}))
+
+    def stage_seconds(self, model: str) -> Counter:
+        """The wall seconds ``model``'s KVMapStorage has spent in each stage of its path so far
+        (``storage.STAGES``; empty without a stats file)."""
+        return Counter(self._stats(model).get("seconds", {}))
+
+    def _stats(self, model: str) -> dict:
         path = self.stats.get(model)
         if path is None or not path.exists():
-            return Counter()
-        return Counter(json.loads(path.read_text())["counters"])
+            return {}
+        return json.loads(path.read_text())
 
     def close(self) -> None:
         self._http.close()

@@ -43,6 +43,7 @@ machine running the models beside it may not have). The process's parallel ranks
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import json
 import time
@@ -72,6 +73,7 @@ from sgl_kvmap.core.cache import KVCache
 from sgl_kvmap.models.capture import LoadedModel, run
 from sgl_kvmap.sglang.heads import rank_heads
 from sgl_kvmap.sglang.settings import prefetch_threshold_keys
+from sgl_kvmap.sglang.storage import STAGES
 
 PAGE = 8
 SLOTS = 1024
@@ -167,6 +169,9 @@ class Arrival:
     host: int
     counted: Counter
     primed: int = 0
+    primed_s: float = 0.0  # serving its first page first (priming)
+    started: float = 0.0  # time.perf_counter() when its prefetch started
+    seconds: Counter = dataclasses.field(default_factory=Counter)  # the storage's, then
 
 
 class _Worker:
@@ -230,6 +235,7 @@ class Engine:
         self._served = 0
         self._waiting: list[Arrival] = []  # arrived, their prefetch not yet done
         self.last_tiers: Tiers | None = None
+        self.last_stages: dict[str, float] = {}  # Engine.stages of the last admitted request
         self.primer = self.storage.primer()
         self.primed = 0  # first pages computed before the request that needed them
 
@@ -306,17 +312,24 @@ class Engine:
         Before it, as a server's TokenizerManager does, the engine serves the prompt's first
         page alone when the primer says so (``priming``)."""
         page = self.primer.first_page(tokens) if self.primer and prime else None
+        primed_s = 0.0
         if page is not None:
+            started = time.perf_counter()
             self.serve(page)
+            primed_s = time.perf_counter() - started
             self.primed += 1
         self._served += 1
         req = Req(
             f"{self.name}-{self._served}", "", array("q", tokens), SamplingParams(max_new_tokens=1)
         )
-        counted = Counter(self.storage.counters)
+        counted, seconds = Counter(self.storage.counters), Counter(self.storage.seconds)
+        started = time.perf_counter()
         Scheduler._prefetch_kvcache(self, req)
         primed = len(page) if page else 0
-        arrival = Arrival(req, list(tokens), req.prefix_len, req.host_hit_length, counted, primed)
+        arrival = Arrival(
+            req, list(tokens), req.prefix_len, req.host_hit_length, counted, primed, primed_s,
+            started, seconds,
+        )  # fmt: skip
         self._waiting.append(arrival)
         return arrival
 
@@ -327,6 +340,7 @@ class Engine:
         req, tokens, device, host = arrival.req, arrival.tokens, arrival.device, arrival.host
         counted = arrival.counted
         self._pump_until(lambda: arrival not in self._waiting)
+        prefetched = time.perf_counter()
         self.tree.pop_prefetch_loaded_span(req.cache_request_handle)
         req.init_next_round_input(self.tree)
         self._admit(req)
@@ -344,7 +358,23 @@ class Engine:
         )
         batch.prepare_for_extend()
         self.tree.ready_to_load_host_cache()
+        self.last_stages = self._stages(arrival, prefetched)
         return req, self.requests.req_to_token[req.kv.req_pool_idx, : len(tokens)].clone()
+
+    def _stages(self, arrival: Arrival, prefetched: float) -> dict[str, float]:
+        """Where an admitted request's time went before its forward, in seconds: ``primed``
+        (its first page served first), ``prefetch`` (from the prefetch's start until the
+        scheduler loop saw it done), ``load`` (admission, allocation and the host -> device
+        load) and the storage's stages meanwhile (``storage.STAGES``; its workers' ``read``
+        and ``map`` overlap the prefetch)."""
+        seconds = Counter(self.storage.seconds)
+        seconds.subtract(arrival.seconds)
+        return {
+            "primed": arrival.primed_s,
+            "prefetch": prefetched - arrival.started,
+            "load": time.perf_counter() - prefetched,
+            **{stage: seconds[stage] for stage in STAGES},
+        }
 
     def _tiers(
         self, reused: int, device: int, host: int, counted: Counter, primed: int = 0

@@ -10,7 +10,8 @@ TokenizerManager's steps; in any other server it does nothing:
 - the responses of a request (``_wait_one_response``): ``meta_info["kvmap"]`` tells the client
   what sgl-kvmap did for it: ``translated_tokens`` (of SGLang's ``storage`` tokens, those another
   model stored, translated: the pages in that span this engine has not stored as its own),
-  ``primed_tokens`` (its first page, computed apart just before it) and ``status``:
+  ``primed_tokens`` (its first page, computed apart just before it), ``primed_seconds`` (the
+  time that took, round trip included) and ``status``:
   "translated", or "not translated" (its prefix was the engine's own, or computed).
 """
 
@@ -20,6 +21,7 @@ import copy
 import dataclasses
 import json
 import logging
+import time
 from array import array
 from pathlib import Path
 
@@ -42,15 +44,15 @@ _registered = False
 class ServerView:
     """What the TokenizerManager of a KVMapStorage server knows of sgl-kvmap: the stores it
     reads (``primer.own``, ``primer.peers``), whether it primes, and each request in flight:
-    rid -> (its prompt's token ids, the tokens primed for it)."""
+    rid -> (its prompt's token ids, the tokens primed for it, the seconds that took)."""
 
     primer: Primer
     prime: bool
-    requests: dict[str, tuple[list[int], int]] = dataclasses.field(default_factory=dict)
+    requests: dict[str, tuple[list[int], int, float]] = dataclasses.field(default_factory=dict)
 
-    def keep(self, rid: str, tokens: list[int], primed: int) -> None:
+    def keep(self, rid: str, tokens: list[int], primed: int, seconds: float = 0.0) -> None:
         """Remember request ``rid``'s prompt for its report (at most ``MAX_REQUESTS_KEPT``)."""
-        self.requests[rid] = (tokens, primed)
+        self.requests[rid] = (tokens, primed, seconds)
         while len(self.requests) > MAX_REQUESTS_KEPT:
             del self.requests[next(iter(self.requests))]
 
@@ -59,14 +61,19 @@ class ServerView:
         ``details`` (``cached_tokens_details``); None for a request this server did not see."""
         if rid not in self.requests:
             return None
-        tokens, primed = self.requests[rid]
+        tokens, primed, seconds = self.requests[rid]
         start = int(details.get("device", 0)) + int(details.get("host", 0))
         stored = int(details.get("storage", 0))
         size = self.primer.page_size
         keys = self.primer.page_keys(tokens, (start + stored) // size)[start // size :]
         translated = sum(not self.primer.own.exists(key) for key in keys) * size
         status = "translated" if translated else "not translated"
-        return {"translated_tokens": translated, "primed_tokens": primed, "status": status}
+        return {
+            "translated_tokens": translated,
+            "primed_tokens": primed,
+            "primed_seconds": round(seconds, 6),
+            "status": status,
+        }
 
 
 def register() -> None:
@@ -90,16 +97,18 @@ async def _send(original, manager, tokenized) -> None:
     view = _server_view(manager)
     if view is None or tokenized.input_ids is None:
         return await original(manager, tokenized)
-    primed = 0
+    primed, seconds = 0, 0.0
     if view.prime and _plain(tokenized) and not _native(tokenized):
         page = view.primer.first_page(tokenized.input_ids)
         if page is not None:
+            started = time.perf_counter()
             try:
                 await _serve_first_page(original, manager, tokenized, page)
                 primed = len(page)
             except Exception as error:  # noqa: BLE001 - the request goes on; SGLang prefills it
                 log.warning("sgl-kvmap: priming request %s failed: %s", tokenized.rid, error)
-    view.keep(tokenized.rid, list(tokenized.input_ids), primed)
+            seconds = time.perf_counter() - started
+    view.keep(tokenized.rid, list(tokenized.input_ids), primed, seconds)
     return await original(manager, tokenized)
 
 

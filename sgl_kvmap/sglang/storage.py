@@ -38,6 +38,8 @@ Rules (docs/sglang.md):
   unavailable; SGLang then prefills it as if sgl-kvmap were absent. Every reason is counted
   (``counters``, also written to ``stats_path``) and logged once; nothing is raised into the
   scheduler.
+- Time: the wall seconds each stage of the path took are summed per stage (``seconds``, in
+  ``stats_path`` beside the counters; ``STAGES``), so a caller can split a swap's time.
 
 This module, SGLang's plugin (``plugin``, with ``priming``) and the in-process harness
 ``engine`` (which drives SGLang's scheduler calls for the tests and the benchmark) are the only
@@ -46,6 +48,7 @@ modules that import sglang.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -86,6 +89,15 @@ DEADLINE_SHARE = 0.8  # of SGLang's prefetch deadline a job may take (its clock 
 LEDGER_PER_HOST_PAGE = 4  # provenance ledger entries per host-pool page
 NO_WEIGHTS = "0" * 64  # the weights digest of a model folder without weight files
 _NO_EVICTION = {"max_size": 0, "min_free_space": 0}  # a reader never evicts a peer's files
+STAGES = {  # KVMapStorage.seconds: the wall seconds of each stage, summed over its calls
+    "hit_query": "the hit query (batch_exists): this engine's own pages, the peers' records, "
+    "the job's start",
+    "read": "a worker reading the peer's pages and checking them against their records",
+    "map": "a worker translating them (translation.translate_run)",
+    "wait": "the transfer (batch_get_v1) waiting for its job to finish",
+    "write": "the transfer copying translated pages into the host pool",
+    "native": "the transfer copying this engine's own stored pages into the host pool",
+}
 
 
 class _Skip(Exception):
@@ -296,6 +308,7 @@ class KVMapStorage(HiCacheStorage):
         self.settings = StorageSettings.from_extra_config(storage_config.extra_config or {})
         _check_write_positions(self.settings)
         self.counters: Counter[str] = Counter()
+        self.seconds: Counter[str] = Counter()  # STAGES
         self.inner: HiCacheStorage | None = None
         self.peers: list[Peer] = []
         self.page: PageFormat | None = None
@@ -504,6 +517,10 @@ class KVMapStorage(HiCacheStorage):
     def batch_exists(self, keys: list[str], extra_info=None) -> int:
         """Leading pages that are stored for this model, then translatable from a peer (whose
         translation starts now, on a worker)."""
+        with self._timed("hit_query"):
+            return self._hit(keys, extra_info)
+
+    def _hit(self, keys: list[str], extra_info) -> int:
         native = self.inner.batch_exists(keys, extra_info)
         if native == len(keys) or not self.peers:
             return native
@@ -589,13 +606,17 @@ class KVMapStorage(HiCacheStorage):
         """The job translating ``peer``'s ``stored`` pages (runs on a worker thread)."""
 
         def work(job: Job) -> Translated:
-            source, short = peer.tokens(job.keys, stored, job)
+            with self._timed("read"):
+                source, short = peer.tokens(job.keys, stored, job)
             if not source.shape[1]:
                 return Translated([], [], short)
             read = zip(stored[: source.shape[1] // self.page.page_size], job.keys)
             self._count("derived_pages_read", sum(entry.name != key for entry, key in read))
             first = next(iter(stored[0].records.values())).first_token
-            pages, exact = translate_run(peer.mapper, source, first, self.page, peer.first_layer)
+            with self._timed("map"):
+                pages, exact = translate_run(
+                    peer.mapper, source, first, self.page, peer.first_layer
+                )
             if peer.first_layer is not None:
                 self._count("first_layer_exact_tokens", exact)
                 self._count("first_layer_mapped_tokens", source.shape[1] - exact)
@@ -626,7 +647,8 @@ class KVMapStorage(HiCacheStorage):
     ) -> list[bool]:
         """Native pages into the host pool, then the translated run after them.
         host_indices: [len(keys) * page_size] page-aligned host slots."""
-        native = self._load_native(keys, host_indices)
+        with self._timed("native"):
+            native = self._load_native(keys, host_indices)
         done = 0
         if native < len(keys) and self.peers:
             size = self.page.page_size
@@ -657,7 +679,8 @@ class KVMapStorage(HiCacheStorage):
         if job is None:
             return 0
         try:
-            result = job.wait()
+            with self._timed("wait"):
+                result = job.wait()
         except Exception as error:  # noqa: BLE001 - any failure: SGLang prefills these pages
             log.exception("sgl-kvmap: translation failed")
             result = Translated([], [], _Skip("translation_error", str(error)))
@@ -671,6 +694,14 @@ class KVMapStorage(HiCacheStorage):
         pages, crcs = result.pages[offset : offset + wanted], result.crcs[offset : offset + wanted]
         if result.short is not None and len(pages) < wanted:
             self._fallback(result.short.reason, str(result.short))
+        with self._timed("write"):
+            translated = self._write_translated(keys, host_indices, pages, crcs)
+        self._count("translated_pages_delivered", translated)
+        return len(pages)
+
+    def _write_translated(self, keys, host_indices, pages, crcs) -> int:
+        """Copy translated ``pages`` into the host slots of ``keys`` (this engine's own page
+        instead, where it has stored one since); how many translated pages it copied."""
         size, translated = self.page.page_size, 0
         for i, (key, page, crc) in enumerate(zip(keys, pages, crcs)):
             slot = int(host_indices[i * size])
@@ -682,8 +713,7 @@ class KVMapStorage(HiCacheStorage):
             translated += 1
             if self.settings.audit_translations:
                 self.inner.set(key + AUDIT_SUFFIX, page)
-        self._count("translated_pages_delivered", translated)
-        return len(pages)
+        return translated
 
     def _load_own(self, key: str, slot: int) -> bool:
         """Copy page ``key`` into host slot ``slot`` if this engine has stored it as its own
@@ -820,6 +850,16 @@ class KVMapStorage(HiCacheStorage):
 
     # -- counters -------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _timed(self, stage: str):
+        """Add the wall seconds of the block to ``seconds[stage]`` (``STAGES``)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.seconds[stage] += time.perf_counter() - started
+
     def _count(self, name: str, n: int = 1) -> None:
         if n:
             with self._lock:
@@ -843,7 +883,12 @@ class KVMapStorage(HiCacheStorage):
             if counters == self._published:
                 return
             self._published = counters
-            stats = {"counters": counters, "pid": os.getpid(), "time": time.time()}
+            stats = {
+                "counters": counters,
+                "seconds": dict(self.seconds),
+                "pid": os.getpid(),
+                "time": time.time(),
+            }
             try:
                 with staged_file(self._stats_file) as staged:
                     staged.write_text(json.dumps(stats, sort_keys=True))
