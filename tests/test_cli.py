@@ -304,7 +304,7 @@ def test_sglang_args_for_cpu_engines_print_lines_a_shell_runs(fitted_pack, model
         parsed = sglang_parses(words[6:])
         assert (parsed.device, parsed.attention_backend) == ("cpu", "torch_native")
         assert parsed.max_total_tokens == 4096 and parsed.enable_hierarchical_cache
-        assert parsed.enable_cache_report
+        assert parsed.enable_cache_report and parsed.sleep_on_idle
     gpu = commands_of(succeed(args).output)
     assert commands_of(succeed([*args, "--device", "cuda"]).output) == gpu
     assert len(gpu) == 2 and all(line.startswith("python -m sglang.launch_server ") for line in gpu)

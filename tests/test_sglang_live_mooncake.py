@@ -123,6 +123,10 @@ def test_bench_live_replays_over_a_local_master(served_pair, trace, tmp_path, mo
     assert {r["mode"] for r in records} == {"reprefill", "translated"} and len(records) == 12
     swaps = [r for r in records if r["mode"] == "translated" and r["swapped"]]
     assert swaps and sum(r["reused"]["translated"] for r in swaps) > 0, swaps
+    # where a live swap's time went: the stages its server's KVMapStorage timed meanwhile
+    translated = [r for r in swaps if r["reused"]["translated"]]
+    assert all(r["stages"]["map"] > 0 and r["stages"]["read"] > 0 for r in translated)
+    assert all(r["stages"]["map"] < r["ttft_s"] for r in translated)
     logs = sorted((stores / "logs").glob("*.log"))
     assert len(logs) == 4
     assert all("Mooncake store setup successfully" in log.read_text() for log in logs)

@@ -415,6 +415,7 @@ def _command(engine, peers, options: LaunchOptions, deadline) -> list[str]:
         "--tp-size", str(engine.tp_size),
         "--page-size", str(options.page_size),
         "--enable-cache-report",  # cached tokens in the OpenAI endpoints' usage
+        "--sleep-on-idle",  # an idle scheduler waits on its sockets instead of spinning a core
         "--enable-hierarchical-cache",
         "--hicache-mem-layout", "page_first",
         "--hicache-write-policy", "write_through",
