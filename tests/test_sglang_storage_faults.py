@@ -148,3 +148,75 @@ def test_a_translation_sglang_never_used_withholds_none_of_the_engines_own_pages
     assert len(cluster.files(1)) == 7
     exact_only = cluster.engine(1, translate=False)
     assert exact_only.serve(longer).tiers.storage == 7 * PAGE
+
+
+def page_file(cluster, i: int, prompt: list[int], page: int):
+    """The file of page ``page`` of ``prompt`` as engine ``i``'s model stored it."""
+    name = cluster.deployment["names"][i].replace("/", "-")
+    return cluster.store / f"{page_keys(prompt)[page]}_{name}_0_1.bin"
+
+
+def test_a_restarted_engine_refuses_its_own_damaged_page_and_computes_from_there(cluster, caplog):
+    """Engine "a" stored a prompt; a byte of page 2's file flipped (its record untouched). The
+    restarted engine (a fresh Engine of the same model and name over the store, as a server
+    restarts) reads pages 0-1 as its own, refuses page 2 by its record's CRC (counted, logged
+    once without a traceback) and computes from there, as it does for the prompt's tail."""
+    prompt = tokens(4 * PAGE + 3, seed=62)
+    cluster.engine(0, translate=False).serve(prompt)
+    path = page_file(cluster, 0, prompt, 2)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    restarted = cluster.engine(0, translate=False)
+    served = restarted.serve(prompt)
+    assert served.reused == 2 * PAGE and served.tiers.storage == 2 * PAGE
+    assert restarted.storage.counters["fallback.own_page_damaged"] == 1
+    assert restarted.storage.counters["native_pages"] == 2
+    assert not any(r.exc_info for r in caplog.records if r.name.startswith("sgl_kvmap"))
+
+
+def test_a_name_redeployed_with_another_model_reads_none_of_the_old_models_pages(
+    cluster, tmp_path, caplog
+):
+    """Engine "a" stored a prompt; its served name is then redeployed with another checkpoint of
+    the same configuration (the same page geometry). The new engine reads none of the old
+    model's pages as its own (their records name the old weights) and computes the prompt
+    itself, exactly."""
+    from sgl_kvmap.models.capture import load_model
+
+    from .conftest import tiny_model
+    from .test_sglang_storage import UNTIMED, Engine, save_loaded
+
+    prompt = tokens(3 * PAGE + 3, seed=63)
+    cluster.engine(0, translate=False).serve(prompt)
+    other = save_loaded(tiny_model("qwen2", seed=7), tmp_path / "a-retrained")
+    name = cluster.deployment["names"][0]
+    extra = cluster.extra(0, translate=False, model_path=other)
+    redeployed = Engine(load_model(other), name, extra, **UNTIMED)
+    cluster.engines.append(redeployed)
+    served = redeployed.serve(prompt)
+    assert served.reused == 0 and redeployed.storage.counters["native_pages"] == 0
+    assert redeployed.storage.counters["fallback.own_page_foreign"] == 1
+    torch.testing.assert_close(served.logits, exact_logits(redeployed, prompt))
+    assert not any(r.exc_info for r in caplog.records if r.name.startswith("sgl_kvmap"))
+
+
+def test_pages_of_another_geometry_under_an_engines_name_are_refused_not_raised(cluster, caplog):
+    """Engine "a"'s page files and records copied under engine "b"'s name (two served names the
+    store maps to one, with models of other geometry): "b"'s read of them fails on their size;
+    it is counted and "b" computes the prompt itself, exactly, with no error in SGLang's
+    transfer."""
+    prompt = tokens(3 * PAGE + 3, seed=64)
+    cluster.engine(0, translate=False).serve(prompt)
+    a_name, b_name = (name.replace("/", "-") for name in cluster.deployment["names"])
+    for key in page_keys(prompt)[:3]:
+        for suffix in ("", ".kvmap"):
+            copied = (cluster.store / f"{key}{suffix}_{a_name}_0_1.bin").read_bytes()
+            (cluster.store / f"{key}{suffix}_{b_name}_0_1.bin").write_bytes(copied)
+    b = cluster.engine(1, translate=False)
+    with caplog.at_level("ERROR"):
+        served = b.serve(prompt)
+    assert served.reused == 0 and b.storage.counters["native_pages"] == 0
+    assert b.storage.counters["fallback.own_page_unreadable"] == 1
+    torch.testing.assert_close(served.logits, exact_logits(b, prompt))
+    assert not any(r.exc_info for r in caplog.records)

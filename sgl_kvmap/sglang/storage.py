@@ -657,20 +657,69 @@ class KVMapStorage(HiCacheStorage):
         return [True] * (native + done) + [False] * (len(keys) - native - done)
 
     def _load_native(self, keys, host_indices) -> int:
-        """Copy the leading pages stored for this model into the host pool; how many."""
+        """Copy the leading pages stored for this model, each checked against its record
+        (``_own_page``), into the host pool; how many."""
         count = self.inner.batch_exists(keys)
         if count == 0:
             return 0
         host = self.mem_pool_host
-        buffers = [host.get_dummy_flat_data_page() for _ in range(count)]
         loaded = 0
-        for page in self.inner.batch_get(keys[:count], buffers):
-            if page is None:
+        for key, page in zip(keys, self._read_own(keys[:count])):
+            if page is None or not self._own_page(key, page):
                 break
             host.set_from_flat_data_page(int(host_indices[loaded * host.page_size]), page)
             loaded += 1
         self._count("native_pages", loaded)
         return loaded
+
+    def _read_own(self, keys: list[str]) -> list[torch.Tensor | None]:
+        """Pages ``keys`` as stored under this engine's name, in one batch; when the batch fails
+        (a page file of another size: another model's under this name), page by page up to the
+        first that fails (counted)."""
+        host = self.mem_pool_host
+        try:
+            return list(self.inner.batch_get(keys, [host.get_dummy_flat_data_page() for _ in keys]))
+        except OSError:
+            pages = []
+            for key in keys:
+                try:
+                    pages.append(self.inner.get(key, host.get_dummy_flat_data_page()))
+                except OSError as error:
+                    self._fallback("own_page_unreadable", f"page {key}: {error}")
+                    break
+            return pages
+
+    def _own_page(self, key: str, page: torch.Tensor) -> bool:
+        """Whether ``page``, read under this engine's own name for ``key``, is what this model
+        stored there (``_own_page_refusal``); a refusal is counted."""
+        refusal = self._own_page_refusal(key, page)
+        if refusal is not None:
+            self._fallback(*refusal)
+        return refusal is None
+
+    def _own_page_refusal(self, key: str, page: torch.Tensor) -> tuple[str, str] | None:
+        """Why ``page`` is not this model's page ``key`` as its record says (None: it is):
+        written by this model (its identity: configuration and weights; a name another model,
+        or a redeployed one, shares reads none of its pages as native) and its bytes unchanged
+        (CRC). An engine that cannot read its own model (no identity) writes no records and
+        reads its pages unchecked."""
+        if self.identity is None:
+            return None
+        try:
+            data = self.inner.get(record_key(key), empty_record())
+            record = None if data is None else PageRecord.from_tensor(data)
+        except (OSError, KVMapError) as error:
+            return "own_record_invalid", f"page {key}'s record: {error}"
+        if record is None:
+            return "own_record_missing", f"page {key} is stored under this name without its record"
+        if record.model != self.identity:
+            return "own_page_foreign", (
+                f"page {key} under this engine's name was written by {record.model}, not by "
+                f"this engine's model {self.identity}"
+            )
+        if page_crc32(page) != record.crc32:
+            return "own_page_damaged", f"page {key} under this name does not match its record"
+        return None
 
     def _deliver(self, keys: list[str], host_indices: torch.Tensor) -> int:
         """Wait for the job translating ``keys`` (started now if the hit query did not) and
@@ -727,7 +776,7 @@ class KVMapStorage(HiCacheStorage):
             page = self.inner.get(key, self.mem_pool_host.get_dummy_flat_data_page())
         except OSError:  # a page file of another size: the translation stands
             return False
-        if page is None:
+        if page is None or not self._own_page(key, page):
             return False
         self.mem_pool_host.set_from_flat_data_page(slot, page)
         self._count("native_pages")
