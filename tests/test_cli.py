@@ -460,6 +460,10 @@ def test_sglang_args_refuses_engine_lists_that_would_mix_up_kv(fitted_pack, mode
     pack = str(fitted_pack[0])
     same_name = ["--engine", f"{source}=m", "--engine", f"{target}=m", "--pack", pack]
     assert "'m' is given to two engines" in fail_in_one_line(["sglang-args", *same_name])
+    # two names SGLang's stores spell as one ("team/coder" and "team-coder" key the same files)
+    one_in_store = ["--engine", f"{source}=team/coder", "--engine", f"{target}=team-coder"]
+    message = fail_in_one_line(["sglang-args", *one_in_store, "--pack", pack])
+    assert "'team/coder' and 'team-coder' are one name in the store" in message
     same_model = ["--engine", f"{source}=a", "--engine", f"{source}=b", "--engine", target]
     assert "serve the same model" in fail_in_one_line(["sglang-args", *same_model])
     twice = ["--engine", source, "--engine", target, "--pack", pack, "--pack", pack]

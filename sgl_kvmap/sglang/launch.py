@@ -261,6 +261,12 @@ def engine_spec(text: str, port: int, tp_size: int = 1) -> EngineSpec:
     return EngineSpec(path, name, port=port, tp_size=tp_size)
 
 
+def store_name(served_name: str) -> str:
+    """The name SGLang's file and Mooncake stores key an engine's pages by: its served name
+    with every "/" made "-" (``HiCacheFile``, ``MooncakeStore``'s prefix)."""
+    return "-".join(served_name.split("/"))
+
+
 def peers_of(engines: list[EngineSpec], packs: list[str | Path]) -> dict[str, list[PeerSettings]]:
     """Each engine's peers: the engines a pack translates from INTO it (by fingerprints).
     Refused: two engines under one served name or serving one model (a pack between them would
@@ -279,6 +285,14 @@ def peers_of(engines: list[EngineSpec], packs: list[str | Path]) -> dict[str, li
     if len(set(names)) < len(names):
         twice = sorted({n for n in names if names.count(n) > 1})
         raise KVMapError(f"served name {twice[0]!r} is given to two engines: names must differ")
+    stored: dict[str, str] = {}  # the name SGLang's stores key each engine's pages by
+    for name in names:
+        other = stored.setdefault(store_name(name), name)
+        if other != name:
+            raise KVMapError(
+                f"served names {other!r} and {name!r} are one name in the store "
+                f"({store_name(name)!r}, as SGLang's stores spell it): names must differ"
+            )
     peers: dict[str, list[PeerSettings]] = {e.name: [] for e in engines}
     directions: dict[tuple[str, str], Path] = {}
     for pack in packs:
