@@ -143,9 +143,24 @@ def test_a_server_never_healthy_times_out_and_is_stopped(stand_in, tmp_path):
 
 
 def test_running_servers_start_in_turn_and_all_stop(stand_in, tmp_path):
-    logs = [tmp_path / "a.log", tmp_path / "b.log"]
-    with running_servers([stand_in(), stand_in()], logs) as servers:
+    logs, base = [tmp_path / "a.log", tmp_path / "b.log"], free_port_base(2)
+    with running_servers([stand_in(port=base), stand_in(port=base + 1)], logs) as servers:
         assert all(s.process.poll() is None for s in servers)
         children = [child_of(log) for log in logs]
     assert all(s.process.poll() is not None for s in servers)
     assert all(gone(child) for child in children)
+
+
+def test_a_port_another_server_answers_on_is_refused_not_benchmarked(stand_in, tmp_path):
+    """Before: a server already answering /health on the port (a stranger's SGLang on 30000)
+    passed for the one being started, and the caller drove it. Now the start is refused at
+    once, the stranger is left alone and the line is never run."""
+    port = free_port_base(1)
+    stranger = start_server(stand_in(delay=0, port=port), tmp_path / "stranger.log", timeout=30)
+    try:
+        marker = tmp_path / "ran"
+        with pytest.raises(ServerError, match=f"port {port} is already in use"):
+            start_server(f"touch {marker} # --port {port}", tmp_path / "mine.log", timeout=30)
+        assert not marker.exists() and stranger.process.poll() is None
+    finally:
+        stop_server(stranger, grace=10)

@@ -106,7 +106,14 @@ def start_server(
     timeout: float = HEALTH_TIMEOUT_S,
 ) -> LiveServer:
     """Run ``line`` with ``bash -c`` in its own session, ``env`` added to this process's
-    environment, stdout and stderr to ``log_path``; return once it is healthy."""
+    environment, stdout and stderr to ``log_path``; return once it is healthy. A port something
+    already listens on is refused first: its ``/health`` would pass for this server's."""
+    port = port_of(line)
+    if port_taken(port):
+        raise ServerError(
+            f"port {port} is already in use on 127.0.0.1 (another server?): stop it or choose "
+            "other ports (--port)"
+        )
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log_file:
@@ -143,6 +150,13 @@ def wait_healthy(server: LiveServer, timeout: float = HEALTH_TIMEOUT_S, poll: fl
         f"no healthy server on port {server.port} after {timeout:.0f} s; the end of "
         f"{server.log_path}:\n{log_tail(server.log_path)}"
     )
+
+
+def port_taken(port: int) -> bool:
+    """Whether something accepts connections on 127.0.0.1:``port`` now."""
+    with socket.socket() as probe:
+        probe.settimeout(2)
+        return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
 def healthy(url: str) -> bool:
