@@ -231,6 +231,14 @@ COUNT = click.IntRange(min=1)  # at least one
 AMOUNT = click.IntRange(min=0)  # 0: none / off
 PROMPT = click.IntRange(min=2)  # a prompt: at least two tokens (the last one is recomputed)
 PORT = click.IntRange(1, 65535)
+MAX_OPENING_BYTES = 16 << 20  # an opening file larger than this is not a prompt prefix
+
+
+def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    """A number option that must be finite (click's FloatRange lets nan through)."""
+    if value != value or value in (float("inf"), float("-inf")):
+        raise click.BadParameter(f"{value} is not a finite number", ctx, param)
+    return value
 
 
 def _off_or_prompt(ctx: click.Context, param: click.Parameter, tokens: int) -> int:
@@ -1697,17 +1705,38 @@ def sglang_args(ctx, engines, packs, store, mooncake_master, mooncake_metadata, 
 
 def _server_urls(ctx: click.Context, param: click.Parameter, urls: tuple[str, ...]):
     for url in urls:
-        if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1]) == 0:
+        if not _http_url(url):
             raise click.BadParameter(f"expected http://HOST:PORT, got {url!r}", ctx, param)
     return urls
+
+
+def _http_url(url: str) -> bool:
+    """Whether ``url`` is an http(s) URL with a host and, if it names one, a port that can be."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # ValueError for a port that is not one (99999, "x")
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and port != 0
 
 
 def _opening(ctx: click.Context, text_file: Path | None, ids_file: Path | None):
     """The opening as text or token ids, from exactly one of --opening / --opening-ids."""
     if (text_file is None) == (ids_file is None):
         raise click.UsageError("give the opening as one of --opening FILE or --opening-ids FILE")
+    hint = "'--opening'" if text_file is not None else "'--opening-ids'"
+    path = text_file if text_file is not None else ids_file
+    if not path.is_file() or path.stat().st_size > MAX_OPENING_BYTES:
+        raise click.BadParameter(
+            f"expected a regular file of at most {MAX_OPENING_BYTES:,} bytes", ctx, param_hint=hint
+        )
     if text_file is not None:
-        text = text_file.read_text(encoding="utf-8")
+        try:
+            text = text_file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as error:
+            raise click.BadParameter(f"not UTF-8 text: {error}", ctx, param_hint=hint) from None
         if not text:
             raise click.BadParameter("the file is empty", ctx, param_hint="'--opening'")
         return text
@@ -1744,6 +1773,7 @@ def _opening(ctx: click.Context, text_file: Path | None, ids_file: Path | None):
 @click.option(
     "--timeout",
     type=click.FloatRange(min=1),
+    callback=_finite,
     default=600.0,
     show_default=True,
     help="Seconds to wait for each server to be healthy.",

@@ -229,6 +229,29 @@ def test_warm_refuses_what_it_cannot_send_before_touching_a_server(tmp_path):
         refused_as_usage(["warm", url, "--opening-ids", str(ids)], "--opening-ids")
 
 
+def test_warm_refuses_inputs_that_hung_or_raised_before(tmp_path):
+    """Before: ``--timeout nan`` passed click's range check and waited for ever, an opening read
+    from a FIFO or /dev/zero never ended, a binary opening and URLs such as ``http://[::1`` or
+    a port of 99999 ended in tracebacks. Each is now refused by the parsing, naming its
+    option."""
+    import os
+
+    from .test_cli import refused_as_usage
+
+    text, binary, fifo = tmp_path / "opening.txt", tmp_path / "opening.bin", tmp_path / "fifo"
+    text.write_text("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")
+    binary.write_bytes(b"\xff\xfe\x00\x81" * 16)
+    os.mkfifo(fifo)
+    url = "http://127.0.0.1:9"
+    for timeout in ("nan", "inf"):
+        refused_as_usage(["warm", url, "--opening", str(text), "--timeout", timeout], "--timeout")
+    for opening in (fifo, "/dev/zero", binary):
+        refused_as_usage(["warm", url, "--opening", str(opening)], "--opening")
+    refused_as_usage(["warm", url, "--opening-ids", "/dev/zero"], "--opening-ids")
+    for bad in ("http://[::1", "http://127.0.0.1:99999", "http://127.0.0.1:x", "http://:30000"):
+        refused_as_usage(["warm", bad, "--opening", str(text)], "URLS...")
+
+
 def test_warm_names_a_server_that_is_not_healthy_in_time(tmp_path):
     """A port where nothing listens: after --timeout seconds, one line naming the URL."""
     from .test_cli import fail_in_one_line
