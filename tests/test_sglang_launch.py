@@ -127,3 +127,15 @@ def test_the_prefetch_threshold_reaches_sglangs_parser(model_folders):
     assert parsed_threshold(LaunchOptions(prefetch_threshold=None)) == 256
     with pytest.raises(KVMapError, match="prefetch threshold 0 < 1"):
         LaunchOptions(prefetch_threshold=0)
+
+
+def test_a_recorded_figure_too_large_for_a_float_counts_as_none():
+    """Before: a pack recording an integer figure of 10**400 raised OverflowError in
+    ``sglang-args`` (and in a server's floor check); it is now no measured figure: refused with
+    the message that says what to run."""
+    from sgl_kvmap.sglang.settings import StorageSettings
+
+    settings = StorageSettings(tail_pages=0)
+    metrics = {"eval_gap_closed": 10**400, "eval_retention": -(10**400)}
+    assert settings.recorded_gap_closed(metrics, 16) == ("eval_gap_closed", None)
+    assert "records no measured eval_gap_closed" in settings.floor_refusal(metrics, 16)

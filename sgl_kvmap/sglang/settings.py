@@ -342,7 +342,14 @@ def no_gap_to_close(metrics: Any) -> bool:
 
 
 def _finite(value: Any) -> float | None:
-    return float(value) if type(value) in (int, float) and math.isfinite(value) else None
+    """``value`` as a float when it is a finite number (an int too large for a float is not)."""
+    if type(value) not in (int, float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 _TYPES = {"str": str, "bool": bool, "int": int}
