@@ -203,10 +203,13 @@ def test_a_pair_with_one_pack_found_builds_only_the_other(model_folders, caches)
             torch.testing.assert_close(got.weight, want.weight)
 
 
-def test_a_pack_kept_as_built_is_what_resolve_finds_and_is_never_replaced(
+def test_a_pack_kept_as_built_is_what_resolve_finds_and_other_maps_never_replace_it(
     model_folders, caches, tiny_mapper
 ):
-    """What the demo does with its packs: the first kept pack is the pair's built pack."""
+    """What the demo does with its packs: the first kept pack is the pair's built pack; other
+    maps never replace it, while the same maps measured again (a second demo run) refresh its
+    figures, which resolve then finds (before: they stayed as first recorded, so engines read
+    figures the demo no longer printed)."""
     a, b = model_folders["source"], model_folders["target"]
     mapper = KVMapper.from_pretrained(resolve_pack(a, b, build=True, recipe=SMALL_RECIPE, **caches))
     assert keep_as_built(mapper, SMALL_RECIPE, caches["assets_dir"]) is None  # kept as it was
@@ -215,6 +218,12 @@ def test_a_pack_kept_as_built_is_what_resolve_finds_and_is_never_replaced(
     assert KVMapper.from_pretrained(resolve_pack(a, b, local_files_only=True, **caches)).ridge == (
         mapper.ridge
     )
+    measured = replace(mapper, info={**mapper.info, "metrics": {"eval_gap_closed_served": 0.25}})
+    folder = keep_as_built(measured, SMALL_RECIPE, caches["assets_dir"])
+    assert folder == resolve_pack(a, b, local_files_only=True, **caches)
+    found = KVMapper.from_pretrained(folder)
+    assert found.info["metrics"] == {"eval_gap_closed_served": 0.25} and found.ridge == mapper.ridge
+    assert keep_as_built(measured, SMALL_RECIPE, caches["assets_dir"]) is None  # nothing new
     fresh = {"cache_dir": caches["cache_dir"], "assets_dir": caches["assets_dir"].parent / "fresh"}
     kept = keep_as_built(mapper, SMALL_RECIPE, fresh["assets_dir"])
     assert kept == resolve_pack(a, b, local_files_only=True, **fresh)

@@ -289,6 +289,20 @@ def _mapper(config: dict[str, Any], tensors: dict[str, torch.Tensor], mapper_cla
     )
 
 
+def same_maps(a, b) -> bool:
+    """Whether mappers ``a`` and ``b`` translate alike: the same pair, settings and tensors
+    (their recorded metrics and calibration notes aside)."""
+    settings = ("source_fingerprint", "target_fingerprint", "selection", "ridge", "sink_tokens")
+    settings += ("rank", "residual_hidden")
+    config_a, config_b = _config(a, ""), _config(b, "")
+    if any(config_a[key] != config_b[key] for key in settings):
+        return False
+    tensors_a, tensors_b = _tensors(a), _tensors(b)
+    return tensors_a.keys() == tensors_b.keys() and all(
+        torch.equal(tensors_a[name], tensors_b[name]) for name in tensors_a
+    )
+
+
 def _tensors(mapper) -> dict[str, torch.Tensor]:
     out = {}
     for kind in KINDS:

@@ -37,7 +37,7 @@ from huggingface_hub.utils import WeakFileLock
 from ..core.environment import setting
 from ..core.errors import PackError, PairMismatchError
 from ..core.mapper import KVMapper
-from ..core.pack import is_pack, read_config
+from ..core.pack import is_pack, read_config, same_maps
 from ..core.spec import ModelSpec, check_models, check_pair, spec_from_pretrained
 from ..fitting.build import build_pack, build_pack_pair
 from ..fitting.config import PackRecipe, recipe_summary
@@ -170,13 +170,17 @@ def keep_as_built(
     mapper: KVMapper, recipe: PackRecipe, assets_dir: str | Path | None = None
 ) -> Path | None:
     """Keep ``mapper``, made as ``recipe`` says, as the pack built here for its pair with that
-    recipe (where ``resolve`` looks first), unless one is there already; returns its folder, or
-    None when one was there."""
+    recipe (where ``resolve`` looks first), unless another pack is there already; returns its
+    folder, or None when another was there. A pack of the same maps (the same fit, measured
+    again: the demo run twice) is replaced, so it carries the newer figures."""
     folder = built_pack_folder(mapper.source, mapper.target, recipe, assets_dir)
     with _build_lock(folder):
-        if is_pack(folder):
+        if not is_pack(folder):
+            return mapper.save_pretrained(folder)
+        kept = KVMapper.from_pretrained(folder)
+        if not same_maps(kept, mapper) or kept.info.get("metrics") == mapper.info.get("metrics"):
             return None
-        return mapper.save_pretrained(folder)
+        return mapper.save_pretrained(folder, overwrite=True)
 
 
 def built_pack_dir(
