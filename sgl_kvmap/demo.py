@@ -96,9 +96,11 @@ COLUMNS = [  # header, width, value from one direction's fit, eval and speed res
     ("retain", 6, lambda f, e, r: _num(e["retention"])),
     ("+tail", 6, lambda f, e, r: _num(e["retention_tail"])),
     ("+rep", 6, lambda f, e, r: _num(e["retention_repaired"])),
+    ("served", 6, lambda f, e, r: _num(e.get("retention_served"))),
     ("gap", 6, lambda f, e, r: _num(e["gap_closed"])),
     ("+tail", 6, lambda f, e, r: _num(e["gap_closed_tail"])),
     ("+rep", 6, lambda f, e, r: _num(e["gap_closed_repaired"])),
+    ("served", 6, lambda f, e, r: _num(e.get("gap_closed_served"))),
     ("attn cos", 8, lambda f, e, r: _num(e["mean_attention_cosine"])),
     ("map s", 6, lambda f, e, r: f"{r['speed']['map_seconds']:.2f}"),
     ("sinks s", 7, lambda f, e, r: f"{r['speed']['sink_seconds']:.2f}"),
@@ -126,6 +128,9 @@ def format_table(results: dict) -> str:
         f"continuation {e['continuation']}, "
         f"tail {e['tail']}, sink tokens {e['sink_tokens']}; speed at {s['tokens']} tokens",
         f"+rep: the tail and the repair ({e['repair'] or 'off'}) recomputed by the target",
+        f"served: as engines serve it ({e.get('served_page_size')}-token pages, the first "
+        f"computed by the target, a {e.get('served_tail')}-token tail): the figure "
+        "`sgl-kvmap sglang-args` checks against its quality floor",
         "speedups = target re-prefill over: the map; map + what the sink tokens add to the",
         "hand-off forward; map + the target's one hand-off forward (sink tokens and the last",
         "prompt token together); x +rep: the same with the tail, the source's draft and the",
