@@ -435,3 +435,24 @@ def test_prompts_that_share_no_page_are_not_warmed():
     assert client.calls == []
     warm(client, (5, 6, 7))
     assert client.calls == [("small", (5, 6, 7), True), ("large", (5, 6, 7), True)]
+
+
+def test_malformed_replies_are_errors_that_name_them_not_tracebacks():
+    """Before: a streamed event that was not JSON, a JSON list, or per-tier counts that were
+    not whole numbers raised from inside the client (a traceback in ``warm`` and the bench);
+    each is now a LiveServerError saying what came back."""
+    from sgl_kvmap.sglang.client import cached_by_tier, sse_payloads
+
+    with pytest.raises(LiveServerError, match="the server streamed an event that is not JSON"):
+        list(sse_payloads(["data: {oops"], "the server"))
+    with pytest.raises(LiveServerError, match="not an object: \\[1, 2\\]"):
+        list(sse_payloads(["data: [1, 2]"], "the server"))
+    with pytest.raises(LiveServerError, match="not counts: {'device': '16'}"):
+        cached_by_tier({"cached_tokens_details": {"device": "16", "storage": 32}})
+    with pytest.raises(LiveServerError, match="is not an object"):
+        cached_by_tier({"cached_tokens_details": [16]})
+    assert cached_by_tier({"cached_tokens_details": {"device": 16, "storage": None}}) == {
+        "device": 16,
+        "host": 0,
+        "storage": 0,
+    }

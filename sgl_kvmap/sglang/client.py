@@ -130,8 +130,9 @@ class LiveClient:
         if not chunks:
             raise LiveServerError(f"{self._where(model)} streamed no output for the request")
         meta = chunks[-1].get("meta_info") or {}
-        if "prompt_tokens" not in meta:  # the length of a text prompt is the server's to say
-            raise LiveServerError(f"{self._where(model)} sent no meta_info.prompt_tokens")
+        prompt = meta.get("prompt_tokens") if isinstance(meta, dict) else None
+        if type(prompt) is not int or prompt < 0:  # a text prompt's length is the server's to say
+            raise LiveServerError(f"{self._where(model)} sent no meta_info.prompt_tokens count")
         return Generation(
             output_ids=_answer_ids(chunks, meta, self._where(model)),
             ttft_s=(first or time.perf_counter()) - started,
@@ -233,7 +234,14 @@ def sse_payloads(lines: Iterable[str], where: str) -> Iterator[dict]:
         data = line[len("data:") :].strip()
         if data == "[DONE]":
             return
-        payload = json.loads(data)
+        try:
+            payload = json.loads(data)
+        except ValueError:
+            raise LiveServerError(
+                f"{where} streamed an event that is not JSON: {data[:200]}"
+            ) from None
+        if not isinstance(payload, dict):
+            raise LiveServerError(f"{where} streamed an event that is not an object: {data[:200]}")
         if "error" in payload:
             error = payload["error"]
             message = error.get("message", error) if isinstance(error, dict) else error
@@ -248,7 +256,13 @@ def cached_by_tier(meta: dict) -> dict[str, int]:
     details = meta.get("cached_tokens_details") or {}
     if not details and meta.get("cached_tokens"):
         details = {"device": meta["cached_tokens"]}
-    return {tier: int(details.get(tier) or 0) for tier in SERVER_TIERS}
+    if not isinstance(details, dict):
+        raise LiveServerError(f"cached_tokens_details is not an object: {details!r:.200}")
+    counts = {tier: details.get(tier) or 0 for tier in SERVER_TIERS}
+    bad = {tier: n for tier, n in counts.items() if type(n) is not int or n < 0}
+    if bad:
+        raise LiveServerError(f"cached tokens per tier that are not counts: {bad!r:.200}")
+    return counts
 
 
 def answer_logprobs(
