@@ -236,7 +236,7 @@ MAX_OPENING_BYTES = 16 << 20  # an opening file larger than this is not a prompt
 
 def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
     """A number option that must be finite (click's FloatRange lets nan through)."""
-    if value != value or value in (float("inf"), float("-inf")):
+    if not math.isfinite(value):
         raise click.BadParameter(f"{value} is not a finite number", ctx, param)
     return value
 

@@ -125,6 +125,13 @@ def empty_record() -> torch.Tensor:
     return torch.empty(RECORD_BYTES, dtype=torch.uint8)
 
 
+def stored_record(store, name: str) -> PageRecord | None:
+    """The record a HiCache ``store`` holds for the page stored under ``name`` (None: none).
+    Raises OSError for a record file of another size and KVMapError for a damaged record."""
+    data = store.get(record_key(name), empty_record())
+    return None if data is None else PageRecord.from_tensor(data)
+
+
 def page_crc32(flat: torch.Tensor) -> int:
     """CRC-32 of a flat page's bytes (any dtype)."""
     return zlib.crc32(flat.contiguous().view(torch.uint8).numpy())

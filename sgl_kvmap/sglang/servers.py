@@ -124,7 +124,7 @@ def start_server(
             start_new_session=True,
             env=_environment(env),
         )
-    server = LiveServer(line, port_of(line), log_path, process)
+    server = LiveServer(line, port, log_path, process)
     try:
         wait_healthy(server, timeout)
     except BaseException:

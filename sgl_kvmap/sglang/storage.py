@@ -78,7 +78,7 @@ from .pages import PageFormat
 from .plugin import registered
 from .priming import Primer
 from .provenance import Provenance, Verdict
-from .records import PageRecord, derived_key, empty_record, page_crc32, record_key
+from .records import PageRecord, derived_key, page_crc32, record_key, stored_record
 from .settings import NATIVE_SINKS, PeerSettings, StorageSettings
 from .translation import staging, translate_run
 
@@ -206,15 +206,13 @@ class Peer:
     def _record(self, key: str, name: str, rank: int, page_size: int) -> PageRecord:
         """Page ``key``'s record, stored for the page under store key ``name``, from ``rank``."""
         try:
-            data = self.stores[rank].get(record_key(name), empty_record())
+            record = stored_record(self.stores[rank], name)
         except OSError as error:  # a record file of another size (a short read)
             raise _Skip("record_invalid", f"page {key}'s record: {error}") from None
-        if data is None:
-            raise _Skip("peer_page_missing", f"{self.name} lost the record of page {key}")
-        try:
-            record = PageRecord.from_tensor(data)
         except KVMapError as error:
             raise _Skip("record_invalid", f"page {key}: {error}") from None
+        if record is None:
+            raise _Skip("peer_page_missing", f"{self.name} lost the record of page {key}")
         self._check_writer(record, key)
         got = (record.page.page_size, record.page.layers, record.page.heads, record.page.head_dim)
         want, shard = self.expected_format(rank, page_size), (rank, self.settings.tp_size)
@@ -706,8 +704,7 @@ class KVMapStorage(HiCacheStorage):
         if self.identity is None:
             return None
         try:
-            data = self.inner.get(record_key(key), empty_record())
-            record = None if data is None else PageRecord.from_tensor(data)
+            record = stored_record(self.inner, key)
         except (OSError, KVMapError) as error:
             return "own_record_invalid", f"page {key}'s record: {error}"
         if record is None:
